@@ -1,0 +1,5 @@
+import sys
+
+from memory_daemon.server import main
+
+sys.exit(main())

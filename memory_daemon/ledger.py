@@ -1,0 +1,360 @@
+"""Page accounting for one pool: the free list, leases, shared pages and the prefix index.
+
+Every usable page is in exactly one state:
+- FREE: on the free list, a stack, so allocation and free are O(1) per page;
+- LEASED: held by one lease, idle on its worker's local free list or in use by a sequence;
+- SHARED: published to the prefix index or taken by a lookup. It carries a reference count, kept per lease
+  so that a lease's end drops exactly its own references. When the count falls to zero the page stays
+  cached, evictable least recently used first, if it is in the index, and is freed otherwise (a page whose
+  key was already cached by another page).
+Page 0 is the null page: never leased, so block tables can pad with it.
+
+`update` and `grant` check a whole request before changing anything, so bad input changes nothing and the
+counts stay exact. Misuse raises ValueError, PermissionError or FailedPrecondition with a message naming
+the page and the fix; "no room now" is None, not an error.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from memory_daemon.prefix import MAX_KEY_BYTES, PrefixIndex
+from memory_daemon.refill import RefillPolicy, RefillSettings
+from memory_daemon.stats import PoolCounts, WorkerUsage
+from services.common.errors import FailedPrecondition
+
+NULL_PAGE = 0
+
+
+class PageState(IntEnum):
+    FREE = 0
+    LEASED = 1
+    SHARED = 2
+    NULL = 3
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: str
+    worker_id: int
+    name: str
+    model_id: str
+    refill: RefillPolicy
+    pages: set[int] = field(default_factory=set)  # LEASED pages
+    refs: Counter[int] = field(default_factory=Counter)  # SHARED page -> references held
+    idle: int = 0  # pages on the worker's local free list, as last reported
+
+    def __str__(self) -> str:
+        return f"worker {self.name!r} (id {self.worker_id})"
+
+    def usage(self) -> WorkerUsage:
+        return WorkerUsage(
+            worker_id=self.worker_id,
+            name=self.name,
+            model_id=self.model_id,
+            leased_pages=len(self.pages),
+            idle_pages=self.idle,
+            referenced_pages=len(self.refs),
+            refill_pages=self.refill.pages,
+        )
+
+
+class PageLedger:
+    def __init__(
+        self,
+        num_pages: int,
+        *,
+        low_watermark: int = 0,
+        refill: RefillSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(f"a pool needs at least 2 pages (the null page and one more), got {num_pages}")
+        self.num_pages = num_pages
+        self.low_watermark = low_watermark
+        self.index = PrefixIndex()
+        self.leases: dict[str, Lease] = {}
+        self._refill = refill or RefillSettings()
+        self._clock = clock
+        self._state = bytearray(num_pages)
+        self._state[NULL_PAGE] = PageState.NULL
+        self._holder: list[Lease | None] = [None] * num_pages
+        self._refs = [0] * num_pages
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # popped from the end: 1, 2, 3, ...
+        self._next_worker_id = 1
+        self.evictions = 0
+        self.prefix_lookups = 0
+        self.prefix_hits = 0
+        self.prefix_queried_pages = 0
+        self.prefix_hit_pages = 0
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    # Leases ----------------------------------------------------------------------------------------
+
+    def open_lease(self, name: str, model_id: str) -> Lease:
+        lease = Lease(
+            lease_id=secrets.token_hex(16),
+            worker_id=self._next_worker_id,
+            name=name,
+            model_id=model_id,
+            refill=RefillPolicy(self._refill, last_time=self._clock()),
+        )
+        self._next_worker_id += 1
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def close_lease(self, lease: Lease) -> tuple[int, int]:
+        """End a lease: free its pages and drop its references. Returns (pages freed, references dropped)."""
+        del self.leases[lease.lease_id]
+        leased = list(lease.pages)
+        for page in leased:
+            self._free_page(page)
+        lease.pages.clear()
+        dropped = 0
+        for page, count in list(lease.refs.items()):
+            self._drop_refs(lease, page, count)
+            dropped += count
+        return len(leased), dropped
+
+    # Allocation ------------------------------------------------------------------------------------
+
+    def refill(self, lease: Lease, need: int, consumed: int, idle: int) -> list[int] | None:
+        """Grant a refill sized from the lease's recent consumption: at least `need` pages, or None.
+
+        No single refill takes more than half of what is available unless `need` requires it, so one
+        busy worker cannot starve the others.
+        """
+        for name, value in (("need", need), ("consumed", consumed), ("idle", idle)):
+            self._check_count(name, value)
+        lease.refill.observe(consumed, self._clock())
+        available = self.free_pages + self.index.evictable_pages
+        wanted = max(0, lease.refill.pages - idle)
+        pages = self.grant(lease, max(need, min(wanted, available // 2)), need)
+        lease.idle = idle + len(pages or ())
+        return pages
+
+    def grant(self, lease: Lease, count: int, need: int = 0) -> list[int] | None:
+        """Lease `count` pages, or fewer but at least `need`; None if even `need` cannot be had now."""
+        available = self.free_pages + self.index.evictable_pages
+        if need > available:
+            return None
+        count = min(count, available)
+        if count <= 0:
+            return []
+        self._evict(count - self.free_pages)
+        pages = self._free[-count:][::-1]
+        del self._free[-count:]
+        for page in pages:
+            self._state[page] = PageState.LEASED
+            self._holder[page] = lease
+        lease.pages.update(pages)
+        self._evict(self.low_watermark - self.free_pages)
+        return pages
+
+    def report_idle(self, lease: Lease, idle: int) -> None:
+        """Record how many pages sit on the lease's local free list."""
+        self._check_count("idle", idle)
+        lease.idle = idle
+
+    def reclaim_plan(self, requester: Lease, shortfall: int) -> list[tuple[Lease, int]]:
+        """Which other leases should return how many idle pages to cover shortfall, most idle first."""
+        plan = []
+        for lease in sorted(self.leases.values(), key=lambda lease: -lease.idle):
+            if shortfall <= 0 or lease.idle <= 0:
+                break
+            if lease is not requester:
+                take = min(lease.idle, shortfall)
+                plan.append((lease, take))
+                shortfall -= take
+        return plan
+
+    # Publish, unref, release -----------------------------------------------------------------------
+
+    def update(
+        self,
+        lease: Lease,
+        *,
+        publish: Sequence[tuple[bytes, int]] = (),
+        unref: Sequence[int] = (),
+        release: Sequence[int] = (),
+    ) -> int:
+        """Apply one ordered batch, all or nothing; return how many published pages were newly indexed.
+
+        publish: leased pages become shared, one reference held by this lease, and are indexed under their
+            key unless another page already holds it.
+        unref: drop one reference per entry.
+        release: leased pages go back to the free list.
+        """
+        published = [page for _, page in publish]
+        self._check_keys(key for key, _ in publish)
+        self._check_leased_by(lease, published, "publish")
+        self._check_leased_by(lease, release, "release")
+        both = set(published) & set(release)
+        if both:
+            raise FailedPrecondition(f"page {min(both)} is both published and released in one update")
+        self._check_refs(lease, unref, set(published))
+
+        indexed = 0
+        for key, page in publish:
+            lease.pages.remove(page)
+            self._holder[page] = None
+            self._state[page] = PageState.SHARED
+            self._refs[page] = 1
+            lease.refs[page] += 1
+            indexed += self.index.add(lease.model_id, key, page)
+        for page, count in Counter(unref).items():
+            self._drop_refs(lease, page, count)
+        for page in release:
+            lease.pages.remove(page)
+            self._free_page(page)
+        return indexed
+
+    def lookup(self, lease: Lease, keys: Sequence[bytes]) -> list[int]:
+        """The longest cached run of pages for a key chain, with a reference taken on each for lease."""
+        if len(keys) > self.usable_pages:
+            raise ValueError(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
+        self._check_keys(keys)
+        pages = []
+        for key in keys:
+            page = self.index.get(lease.model_id, key)
+            if page is None:
+                break
+            if self._refs[page] == 0:
+                self.index.mark_busy(page)
+            self._refs[page] += 1
+            lease.refs[page] += 1
+            pages.append(page)
+        self.prefix_lookups += 1
+        self.prefix_hits += bool(pages)
+        self.prefix_queried_pages += len(keys)
+        self.prefix_hit_pages += len(pages)
+        return pages
+
+    # Statistics ------------------------------------------------------------------------------------
+
+    def counts(self) -> PoolCounts:
+        leased = sum(len(lease.pages) for lease in self.leases.values())
+        return PoolCounts(
+            total_pages=self.usable_pages,
+            free_pages=self.free_pages,
+            leased_pages=leased,
+            shared_pages=self.usable_pages - self.free_pages - leased,
+            cached_pages=self.index.cached_pages,
+            evictable_pages=self.index.evictable_pages,
+            evictions=self.evictions,
+            prefix_lookups=self.prefix_lookups,
+            prefix_hits=self.prefix_hits,
+            prefix_queried_pages=self.prefix_queried_pages,
+            prefix_hit_pages=self.prefix_hit_pages,
+            workers=tuple(lease.usage() for lease in self.leases.values()),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert that every page is accounted for exactly once (for tests)."""
+        assert self._state[NULL_PAGE] == PageState.NULL and NULL_PAGE not in self._free
+        assert len(set(self._free)) == len(self._free)
+        assert all(self._state[p] == PageState.FREE for p in self._free)
+        assert self._state.count(PageState.FREE) == len(self._free)
+        leased = [p for lease in self.leases.values() for p in lease.pages]
+        assert len(leased) == len(set(leased)) == self._state.count(PageState.LEASED)
+        for lease in self.leases.values():
+            assert all(self._holder[p] is lease for p in lease.pages)
+        held: Counter[int] = Counter()
+        for lease in self.leases.values():
+            held.update(lease.refs)
+        for page in range(1, self.num_pages):
+            if self._state[page] == PageState.SHARED:
+                assert self._refs[page] == held[page], (page, self._refs[page], held[page])
+                assert self._refs[page] > 0 or page in self.index
+            else:
+                assert self._refs[page] == 0 and page not in self.index and held[page] == 0
+
+    # Internals -------------------------------------------------------------------------------------
+
+    def _free_page(self, page: int) -> None:
+        self._state[page] = PageState.FREE
+        self._holder[page] = None
+        self._free.append(page)
+
+    def _drop_refs(self, lease: Lease, page: int, count: int) -> None:
+        lease.refs[page] -= count
+        if lease.refs[page] == 0:
+            del lease.refs[page]
+        self._refs[page] -= count
+        if self._refs[page] == 0:
+            if page in self.index:
+                self.index.mark_idle(page)
+            else:
+                self._free_page(page)
+
+    def _evict(self, count: int) -> None:
+        for _ in range(count):
+            page = self.index.evict_oldest()
+            if page is None:
+                return
+            self._free_page(page)
+            self.evictions += 1
+
+    def _check_page_id(self, page: int) -> None:
+        if not NULL_PAGE < page < self.num_pages:
+            null = " (page 0 is the null page and is never leased)" if page == NULL_PAGE else ""
+            raise ValueError(
+                f"page {page} is out of range: this pool's pages are 1..{self.num_pages - 1}{null}"
+            )
+
+    def _check_leased_by(self, lease: Lease, pages: Iterable[int], verb: str) -> None:
+        seen: set[int] = set()
+        for page in pages:
+            self._check_page_id(page)
+            if page in seen:
+                raise FailedPrecondition(f"cannot {verb} page {page} twice in one update")
+            seen.add(page)
+            state, holder = self._state[page], self._holder[page]
+            if state == PageState.LEASED and holder is lease:
+                continue
+            if state == PageState.FREE:
+                raise FailedPrecondition(f"cannot {verb} page {page}: it is already free (a double free?)")
+            if state == PageState.LEASED:
+                raise PermissionError(f"cannot {verb} page {page}: it is leased to {holder}, not to {lease}")
+            raise FailedPrecondition(
+                f"cannot {verb} page {page}: it is shared, not leased; drop your reference with unref instead"
+            )
+
+    def _check_refs(self, lease: Lease, unref: Sequence[int], published: set[int]) -> None:
+        for page, count in Counter(unref).items():
+            self._check_page_id(page)
+            held = lease.refs[page] + (page in published)
+            if count <= held:
+                continue
+            if self._state[page] == PageState.LEASED and page not in published:
+                raise FailedPrecondition(
+                    f"cannot unref page {page}: it is leased, not shared; release it instead"
+                )
+            raise FailedPrecondition(
+                f"cannot unref page {page} {count} time(s): {lease} holds {held} reference(s) on it "
+                "(a double free?)"
+            )
+
+    def _check_count(self, name: str, value: int) -> None:
+        if not 0 <= value <= self.usable_pages:
+            raise ValueError(
+                f"{name} must be between 0 and the pool's {self.usable_pages} pages, got {value}"
+            )
+
+    @staticmethod
+    def _check_keys(keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"a page key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")

@@ -1,0 +1,74 @@
+"""The prefix index: full pages keyed by a hash chain over their token ids, with an LRU of idle pages.
+
+A page's key hashes its parent's key with the page's token ids, so equal keys mean equal prefixes up to
+and including that page. The index is namespaced by model id: workers of two models that happen to share
+a pool shape never see each other's pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+ROOT_KEY = b""
+KEY_BYTES = 16
+MAX_KEY_BYTES = 64
+
+
+def page_keys(token_ids: Sequence[int], page_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:
+    """The chain keys of every full page of token_ids, continuing the chain from parent."""
+    keys = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        chunk = array("I", token_ids[start : start + page_size]).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=KEY_BYTES).digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixIndex:
+    """(model id, key) -> page, plus the least-recently-used order of pages no one references."""
+
+    def __init__(self) -> None:
+        self._page_by_key: dict[tuple[str, bytes], int] = {}
+        self._key_by_page: dict[int, tuple[str, bytes]] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self._key_by_page)
+
+    @property
+    def evictable_pages(self) -> int:
+        return len(self._idle)
+
+    def get(self, model_id: str, key: bytes) -> int | None:
+        return self._page_by_key.get((model_id, key))
+
+    def add(self, model_id: str, key: bytes, page: int) -> bool:
+        """Index page under key; False when the key already names another page."""
+        assert page not in self._key_by_page, f"page {page} is indexed twice"
+        if (model_id, key) in self._page_by_key:
+            return False
+        self._page_by_key[(model_id, key)] = page
+        self._key_by_page[page] = (model_id, key)
+        return True
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._key_by_page
+
+    def mark_idle(self, page: int) -> None:
+        """Its last reference is gone: it becomes the most recently used evictable page."""
+        self._idle[page] = None
+
+    def mark_busy(self, page: int) -> None:
+        self._idle.pop(page, None)
+
+    def evict_oldest(self) -> int | None:
+        """Drop the least recently used idle page from the index and return it; None if there is none."""
+        if not self._idle:
+            return None
+        page, _ = self._idle.popitem(last=False)
+        del self._page_by_key[self._key_by_page.pop(page)]
+        return page

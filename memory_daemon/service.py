@@ -1,0 +1,193 @@
+"""The MemoryDaemon gRPC servicer: protobuf in, ledger calls, protobuf out.
+
+Every handler runs on one asyncio event loop and the ledger calls are short and synchronous, so there is
+no lock and each request sees a consistent pool. A lease lives exactly as long as its Attach stream: the
+stream's `finally` returns the lease's pages whether the worker said goodbye or was SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from memory_daemon.config import DaemonConfig
+from memory_daemon.export import CudaStorage, ShmStorage, Storage
+from memory_daemon.ledger import Lease, PageLedger
+from memory_daemon.pool import Pool
+from memory_daemon.shape import PoolShape
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from services.common.errors import FailedPrecondition, ResourceExhausted
+from services.common.sizes import format_bytes
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryDaemon"].full_name
+MAX_PAGES = 2**31 - 1  # page ids travel as uint32
+
+
+class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._clock = clock
+        self._pools: dict[PoolShape, Pool] = {}
+        self._shape_by_model: dict[str, PoolShape] = {}
+        self._pool_by_lease: dict[str, Pool] = {}
+        self._events: dict[str, asyncio.Queue[memory_pb2.AttachEvent]] = {}
+
+    async def Attach(
+        self, request: memory_pb2.AttachRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[memory_pb2.AttachEvent]:
+        pool = self._pool_for(request)
+        lease = pool.ledger.open_lease(request.worker_name or context.peer(), request.model_id)
+        pool.model_ids.add(request.model_id)
+        self._pool_by_lease[lease.lease_id] = pool
+        events: asyncio.Queue[memory_pb2.AttachEvent] = asyncio.Queue()
+        self._events[lease.lease_id] = events
+        log.info("%s attached to pool %d for model %r", lease, pool.pool_id, request.model_id)
+        try:
+            attached = memory_pb2.Attached(
+                lease_id=lease.lease_id,
+                worker_id=lease.worker_id,
+                pool=pool.descriptor(),
+                refill_pages=lease.refill.pages,
+            )
+            yield memory_pb2.AttachEvent(attached=attached)
+            while True:
+                yield await events.get()
+        finally:
+            del self._events[lease.lease_id], self._pool_by_lease[lease.lease_id]
+            freed, dropped = pool.ledger.close_lease(lease)
+            log.info(
+                "%s detached: %d leased pages freed, %d references dropped, %d of %d pages free",
+                lease,
+                freed,
+                dropped,
+                pool.ledger.free_pages,
+                pool.ledger.usable_pages,
+            )
+
+    async def Lease(
+        self, request: memory_pb2.LeaseRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.LeaseResponse:
+        pool, lease = self._find(request.lease_id)
+        pages = pool.ledger.refill(lease, request.need, request.consumed, request.idle)
+        if pages is None:
+            self._ask_for_reclaim(pool, lease, request.need)
+            pages = []
+        return memory_pb2.LeaseResponse(
+            pages=pages, refill_pages=lease.refill.pages, free_pages=pool.ledger.free_pages
+        )
+
+    async def Update(
+        self, request: memory_pb2.UpdateRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.UpdateResponse:
+        pool, lease = self._find(request.lease_id)
+        pool.ledger.update(
+            lease,
+            publish=[(item.key, item.page) for item in request.publish],
+            unref=list(request.unref),
+            release=list(request.release),
+        )
+        pool.ledger.report_idle(lease, request.idle)
+        return memory_pb2.UpdateResponse(free_pages=pool.ledger.free_pages)
+
+    async def LookupPrefix(
+        self, request: memory_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.LookupResponse:
+        pool, lease = self._find(request.lease_id)
+        return memory_pb2.LookupResponse(pages=pool.ledger.lookup(lease, list(request.keys)))
+
+    async def GetStats(
+        self, request: memory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.DaemonStats:
+        return memory_pb2.DaemonStats(pools=[pool.stats() for pool in self._pools.values()])
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.storage.close()
+        self._pools.clear()
+
+    # Internals -------------------------------------------------------------------------------------
+
+    def _find(self, lease_id: str) -> tuple[Pool, Lease]:
+        pool = self._pool_by_lease.get(lease_id)
+        if pool is None:
+            raise KeyError(
+                f"unknown lease {lease_id!r}: attach first; a lease ends when its Attach stream closes"
+            )
+        return pool, pool.ledger.leases[lease_id]
+
+    def _pool_for(self, request: memory_pb2.AttachRequest) -> Pool:
+        if not request.model_id:
+            raise ValueError("model_id is empty: name the model, so that its cached prefixes stay its own")
+        if request.device and request.device.split(":")[0] != self._config.device_kind:
+            raise FailedPrecondition(
+                f"this daemon's pools live on {self._config.device}, which a {request.device} worker cannot "
+                f"map; start the daemon with --device {request.device}"
+            )
+        shape = PoolShape.from_pb(request.shape)
+        known = self._shape_by_model.get(request.model_id)
+        if known is not None and known != shape:
+            raise FailedPrecondition(
+                f"model {request.model_id!r} is registered with shape ({known}), "
+                f"but this worker has ({shape}); workers of one model must agree on "
+                "layers, KV heads, head dim, dtype and page size"
+            )
+        pool = self._pools.get(shape) or self._create_pool(shape, request)
+        self._shape_by_model[request.model_id] = shape
+        return pool
+
+    def _create_pool(self, shape: PoolShape, request: memory_pb2.AttachRequest) -> Pool:
+        size = request.WhichOneof("size")
+        if size == "num_pages":
+            num_pages = request.num_pages
+        else:
+            nbytes = request.memory_bytes if size == "memory_bytes" else self._config.pool_bytes
+            num_pages = nbytes // shape.page_bytes
+        if not 2 <= num_pages <= MAX_PAGES:
+            raise ValueError(
+                f"a pool needs 2 to {MAX_PAGES} pages of {format_bytes(shape.page_bytes)} each, "
+                f"but this registration gives {num_pages}"
+            )
+        nbytes = num_pages * shape.page_bytes
+        left = self._config.max_memory_bytes - sum(pool.nbytes for pool in self._pools.values())
+        if nbytes > left:
+            raise ResourceExhausted(
+                f"a pool of {num_pages} pages needs {format_bytes(nbytes)}, "
+                f"but {format_bytes(max(left, 0))} of the daemon's "
+                f"{format_bytes(self._config.max_memory_bytes)} budget is left; "
+                "ask for fewer pages or start the daemon with a larger --max-memory"
+            )
+        pool_id = len(self._pools) + 1
+        storage = self._allocate(pool_id, nbytes)
+        ledger = PageLedger(
+            num_pages,
+            low_watermark=int(self._config.watermark * num_pages),
+            refill=self._config.refill,
+            clock=self._clock,
+        )
+        pool = Pool(pool_id, shape, storage, ledger)
+        self._pools[shape] = pool
+        log.info(
+            "pool %d: %d pages of %s (%s), %s", pool_id, num_pages, shape, format_bytes(nbytes), storage.label
+        )
+        return pool
+
+    def _allocate(self, pool_id: int, nbytes: int) -> Storage:
+        if self._config.device_kind == "cuda":
+            return CudaStorage(self._config.cuda_index, nbytes)
+        return ShmStorage(Path(self._config.shm_dir), pool_id, nbytes)
+
+    def _ask_for_reclaim(self, pool: Pool, requester: Lease, need: int) -> None:
+        """Ask workers sitting on idle pages to return some, so that the requester can retry."""
+        shortfall = need - pool.ledger.free_pages - pool.ledger.index.evictable_pages
+        for lease, pages in pool.ledger.reclaim_plan(requester, shortfall):
+            self._events[lease.lease_id].put_nowait(
+                memory_pb2.AttachEvent(reclaim=memory_pb2.Reclaim(pages=pages))
+            )
+            log.info("asked %s to return %d idle pages for %s", lease, pages, requester)

@@ -1,0 +1,1 @@
+"""What every pagedserve process shares: gRPC plumbing, error mapping and logging."""

@@ -1,0 +1,88 @@
+"""gRPC server and channel set-up shared by the three processes.
+
+Every server gets the error interceptor, grpc.health.v1, bounded message sizes, and keepalive settings
+that notice a dead peer within seconds: the daemon reclaims a crashed worker's pages when its stream ends,
+so a half-open connection must not linger.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from services.common.errors import ErrorInterceptor
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    *_KEEPALIVE,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS = [
+    *_KEEPALIVE,
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    address: str  # the bound address: a TCP port of 0 is replaced by the port the kernel chose
+
+    async def stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    address: str, register: Callable[[grpc.aio.Server], None], service_names: Iterable[str]
+) -> RunningServer:
+    """Start a grpc.aio server on address ("host:port" or "unix:/path") with health for service_names."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    register(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in service_names:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from exc
+    await server.start()
+    if not address.startswith("unix:"):
+        host = address.rsplit(":", 1)[0]
+        address = f"{host}:{port}"
+    return RunningServer(server, health, address)
+
+
+def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
+    """Block until the server at address reports SERVING; raise TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last_error = f"{exc.code().name}: {exc.details()}"
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s: {last_error}")

@@ -1,0 +1,219 @@
+"""The KV cache leased from the memory daemon: the pool mapped zero-copy, the books kept over gRPC.
+
+Three threads touch it. The engine thread allocates and frees locally and only calls the daemon when its
+idle list is empty. A sender thread carries queued publishes, unrefs and releases in one Update at a time,
+merging whatever piled up while the previous call was in flight, and fetches refills ahead of need. A
+listener thread holds the Attach stream, which is the lease: it hands idle pages back when the daemon asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from memory_daemon.export import map_pool
+from memory_daemon.shape import PoolShape
+from memory_daemon.stats import PoolCounts
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from services.common.rpc import CHANNEL_OPTIONS
+from services.worker.kv.base import KVCache
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0
+
+
+class DaemonError(RuntimeError):
+    """The memory daemon refused a call or could not be reached."""
+
+    def __init__(self, what: str, code: grpc.StatusCode, details: str) -> None:
+        self.code = code
+        super().__init__(f"{what}: {code.name}: {details}")
+
+    @classmethod
+    def from_rpc(cls, what: str, error: grpc.RpcError) -> DaemonError:
+        return cls(what, error.code(), error.details())
+
+
+@dataclass
+class _Batch:
+    publish: list[tuple[bytes, int]] = field(default_factory=list)
+    unref: list[int] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.publish or self.unref or self.release)
+
+    def to_pb(self, lease_id: str, idle: int) -> memory_pb2.UpdateRequest:
+        return memory_pb2.UpdateRequest(
+            lease_id=lease_id,
+            publish=[memory_pb2.PublishedPage(key=key, page=page) for key, page in self.publish],
+            unref=self.unref,
+            release=self.release,
+            idle=idle,
+        )
+
+
+class DaemonKVCache(KVCache):
+    def __init__(
+        self,
+        address: str,
+        *,
+        model_id: str,
+        shape: PoolShape,
+        worker_name: str = "worker",
+        num_pages: int | None = None,
+        memory_bytes: int | None = None,
+        device: str = "cpu",
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self.rpc_counts: Counter[str] = Counter()  # calls made after Attach, by method
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = memory_pb2_grpc.MemoryDaemonStub(self._channel)
+        request = memory_pb2.AttachRequest(
+            worker_name=worker_name,
+            model_id=model_id,
+            shape=shape.to_pb(),
+            device=device,
+            num_pages=num_pages,
+            memory_bytes=memory_bytes,
+        )
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            self._attach = self._stub.Attach(request)
+            attached = next(self._attach).attached
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise DaemonError(
+                f"attach to {address}", grpc.StatusCode.UNAVAILABLE, f"no answer within {connect_timeout_s}s"
+            ) from None
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise DaemonError.from_rpc(f"attach to {address}", exc) from None
+        self.lease_id = attached.lease_id
+        self.worker_id = attached.worker_id
+        self.pool_id = attached.pool.pool_id
+        super().__init__(map_pool(attached.pool), shape, attached.refill_pages)
+        self._cond = threading.Condition(self._lock)
+        self._pending = _Batch()
+        self._want_refill = False
+        self._sending = False
+        self._closing = False
+        self._error: DaemonError | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
+        self._sender.start()
+        self._listener.start()
+
+    def stats(self) -> PoolCounts:
+        reply = self._call("GetStats", self._stub.GetStats, memory_pb2.GetStatsRequest())
+        return next(PoolCounts.from_pb(pool) for pool in reply.pools if pool.pool_id == self.pool_id)
+
+    def flush(self, timeout_s: float = RPC_TIMEOUT_S) -> None:
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._error or not (self._pending or self._sending or self._want_refill), timeout_s
+            )
+            if self._error:
+                raise self._error
+            if not done:
+                raise TimeoutError(
+                    f"updates to the memory daemon at {self.address} still queued after {timeout_s}s"
+                )
+
+    def close(self) -> None:
+        """Send what is queued, then end the lease: the daemon takes back every page."""
+        try:
+            self.flush()
+        except (DaemonError, TimeoutError) as exc:
+            log.warning("closing the KV lease with updates unsent: %s", exc)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._attach.cancel()
+        self._sender.join()
+        self._listener.join()
+        self._channel.close()
+
+    # Hooks -----------------------------------------------------------------------------------------
+
+    def _lease(self, need: int, consumed: int, idle: int) -> tuple[list[int], int]:
+        request = memory_pb2.LeaseRequest(lease_id=self.lease_id, need=need, consumed=consumed, idle=idle)
+        reply = self._call("Lease", self._stub.Lease, request)
+        return list(reply.pages), reply.refill_pages
+
+    def _submit(
+        self,
+        idle: int,
+        *,
+        publish: Sequence[tuple[bytes, int]] = (),
+        unref: Sequence[int] = (),
+        release: Sequence[int] = (),
+    ) -> None:
+        self._pending.publish.extend(publish)
+        self._pending.unref.extend(unref)
+        self._pending.release.extend(release)
+        self._cond.notify_all()
+
+    def _lookup(self, keys: Sequence[bytes]) -> list[int]:
+        request = memory_pb2.LookupRequest(lease_id=self.lease_id, keys=keys)
+        return list(self._call("LookupPrefix", self._stub.LookupPrefix, request).pages)
+
+    def _request_refill(self) -> None:
+        with self._cond:
+            self._want_refill = True
+            self._cond.notify_all()
+
+    # Threads ---------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._want_refill or self._closing)
+                if self._closing:
+                    return
+                batch, self._pending = self._pending, _Batch()
+                refill, self._want_refill = self._want_refill, False
+                idle = len(self._idle)
+                self._sending = True
+            try:
+                if batch and not self._error:
+                    self._call("Update", self._stub.Update, batch.to_pb(self.lease_id, idle))
+                if refill and not self._error:
+                    self._prefetch()
+            except DaemonError as exc:
+                # The lease is gone with the daemon, and with it every page this batch named.
+                log.error("lost the memory daemon: %s", exc)
+                self._error = exc
+            finally:
+                with self._cond:
+                    self._sending = False
+                    self._cond.notify_all()
+
+    def _listen(self) -> None:
+        try:
+            for event in self._attach:
+                if event.HasField("reclaim"):
+                    returned = self._return_idle(event.reclaim.pages)
+                    log.info("returned %d idle pages at the daemon's request", returned)
+        except grpc.RpcError as exc:
+            if not self._closing:
+                log.error("the memory daemon ended the lease: %s", exc.details())
+                with self._cond:
+                    self._error = DaemonError.from_rpc("Attach", exc)
+                    self._cond.notify_all()
+
+    def _call(self, name: str, method: Callable[..., Any], request: Message) -> Any:
+        self.rpc_counts[name] += 1
+        try:
+            return method(request, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise DaemonError.from_rpc(name, exc) from None

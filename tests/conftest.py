@@ -1,0 +1,32 @@
+"""Shared fixtures: a real daemon process per test that asks for one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import DaemonProcess, start_daemon
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A short private folder: unix socket paths must stay under 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="ps-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(run_dir: Path) -> Iterator[DaemonProcess]:
+    process = start_daemon(run_dir)
+    yield process
+    status = process.stop()
+    leftovers = os.listdir(process.shm_dir)
+    shutil.rmtree(process.shm_dir, ignore_errors=True)
+    assert status == 0, f"the daemon exited with {status}:\n{process.log()}"
+    assert not leftovers, f"the daemon left pool files behind: {leftovers}"

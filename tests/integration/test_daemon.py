@@ -1,0 +1,216 @@
+"""The memory daemon as a real process, with real worker processes attached over real sockets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from memory_daemon.stats import PoolCounts
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from tests.integration.kv_agent import SHAPE
+from tests.procs import DaemonProcess, KVAgent, start_daemon
+
+
+@pytest.fixture
+def stub(daemon: DaemonProcess) -> Iterator[memory_pb2_grpc.MemoryDaemonStub]:
+    with grpc.insecure_channel(daemon.address) as channel:
+        yield memory_pb2_grpc.MemoryDaemonStub(channel)
+
+
+@pytest.fixture
+def agents(daemon: DaemonProcess) -> Iterator[Callable[[str], KVAgent]]:
+    started: list[KVAgent] = []
+
+    def start(name: str, **kwargs: object) -> KVAgent:
+        started.append(KVAgent(daemon.address, name, **kwargs))
+        return started[-1]
+
+    yield start
+    for agent in started:
+        agent.kill()
+
+
+def pool_counts(stub: memory_pb2_grpc.MemoryDaemonStub) -> PoolCounts:
+    (pool,) = stub.GetStats(memory_pb2.GetStatsRequest()).pools
+    return PoolCounts.from_pb(pool)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
+    """Poll until predicate holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, "condition not reached in time"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_two_workers_share_one_pool_and_a_killed_worker_returns_its_pages(
+    daemon: DaemonProcess, stub: memory_pb2_grpc.MemoryDaemonStub, agents: Callable[..., KVAgent]
+) -> None:
+    a, b = agents("a"), agents("b")
+    assert a("info")["shape"] == b("info")["shape"] == [3, 2, 64, 4, 2, 8]
+    (pool_file,) = daemon.shm_dir.iterdir()
+
+    # Data written by one worker process is read by the other: one zero-copy pool.
+    pages_a = a("allocate", n=3)
+    a("write", pages=pages_a, value=7.0)
+    assert b("read", pages=pages_a) == [7.0, 7.0, 7.0]
+    pages_b = b("allocate", n=2)
+    b("write", pages=pages_b, value=-3.5)
+    assert a("read", pages=pages_b) == [-3.5, -3.5]
+    assert not set(pages_a) & set(pages_b)
+
+    # a publishes a two-page prompt prefix, then is SIGKILLed mid-flight.
+    assert a("publish", tokens=list(range(8)), pages=pages_a[:2]) == 2
+    before = pool_counts(stub)
+    leased_by = {w.name: w.leased_pages for w in before.workers}
+    assert before.leased_pages == leased_by["a"] + leased_by["b"]
+    a.kill()
+    took = wait_until(lambda: len(pool_counts(stub).workers) == 1)
+    after = pool_counts(stub)
+    assert after.leased_pages == leased_by["b"]
+    assert (after.cached_pages, after.evictable_pages, after.shared_pages) == (2, 2, 2)
+    assert after.free_pages == after.total_pages - leased_by["b"] - 2
+    print(f"a SIGKILLed worker's {leased_by['a']} leased pages came back in {took * 1000:.0f} ms")
+
+    # Its published pages outlived it, data and all.
+    found = b("lookup", tokens=[*range(8), 99, 100])
+    assert found == pages_a[:2]
+    assert b("read", pages=found) == [7.0, 7.0]
+    assert pool_file.exists(), "a worker's exit must not unlink the pool (resource_tracker)"
+
+    b("free", pages=pages_b + found)
+    assert b.close() == 0
+    wait_until(lambda: not pool_counts(stub).workers)
+    final = pool_counts(stub)
+    assert final.settled and final.cached_pages == 2 and final.prefix_hits == 1
+
+
+def test_an_idle_worker_returns_pages_when_another_runs_short(
+    stub: memory_pb2_grpc.MemoryDaemonStub, agents: Callable[..., KVAgent]
+) -> None:
+    a, b = agents("a"), agents("b")
+    a("free", pages=a("allocate", n=8))  # a now sits on idle pages
+    idle_a = a("usage")["idle_pages"]
+    free = pool_counts(stub).free_pages
+    assert idle_a > 0
+    assert b("allocate", n=free + 1) is None  # short by one: the daemon asks a to give some back
+    wait_until(lambda: a("usage")["idle_pages"] < idle_a)
+    assert len(b("allocate", n=free + 1)) == free + 1
+
+
+OTHER_SHAPE = memory_pb2.PoolShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+
+
+def attach_request(**overrides: object) -> memory_pb2.AttachRequest:
+    fields: dict = {"worker_name": "raw", "model_id": "test-model", "shape": SHAPE.to_pb(), "num_pages": 64}
+    fields.update(overrides)
+    return memory_pb2.AttachRequest(**fields)
+
+
+def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def test_bad_input_gets_a_clear_status_and_changes_nothing(
+    daemon: DaemonProcess, stub: memory_pb2_grpc.MemoryDaemonStub
+) -> None:
+    mine = stub.Attach(attach_request(worker_name="mine"))
+    theirs = stub.Attach(attach_request(worker_name="theirs"))
+    lease = next(mine).attached.lease_id
+    other = next(theirs).attached.lease_id
+    my_pages = list(stub.Lease(memory_pb2.LeaseRequest(lease_id=lease, need=2)).pages)
+    their_pages = list(stub.Lease(memory_pb2.LeaseRequest(lease_id=other, need=1)).pages)
+    before = pool_counts(stub)
+
+    C = grpc.StatusCode
+    free_page = next(p for p in range(1, 64) if p not in my_pages + their_pages)
+    Lease, Update, Lookup = memory_pb2.LeaseRequest, memory_pb2.UpdateRequest, memory_pb2.LookupRequest
+    bad_calls = [
+        ("Lease", Lease(lease_id="no-such-lease", need=1), C.NOT_FOUND,
+         "unknown lease 'no-such-lease': attach first"),
+        ("Update", Update(lease_id=lease, release=[free_page]), C.FAILED_PRECONDITION,
+         f"cannot release page {free_page}: it is already free (a double free?)"),
+        ("Update", Update(lease_id=lease, release=[my_pages[0], my_pages[0]]), C.FAILED_PRECONDITION,
+         "twice in one update"),
+        ("Update", Update(lease_id=lease, release=their_pages), C.PERMISSION_DENIED,
+         f"cannot release page {their_pages[0]}: it is leased to worker 'theirs'"),
+        ("Update", Update(lease_id=lease, release=[10**6]), C.INVALID_ARGUMENT,
+         "page 1000000 is out of range: this pool's pages are 1..63"),
+        ("Update", Update(lease_id=lease, unref=[my_pages[0]]), C.FAILED_PRECONDITION,
+         "it is leased, not shared; release it instead"),
+        ("Lease", Lease(lease_id=lease, need=10**9), C.INVALID_ARGUMENT,
+         "need must be between 0 and the pool's 63 pages, got 1000000000"),
+        ("Lease", Lease(lease_id=lease, need=-1), C.INVALID_ARGUMENT, "need must be between 0"),
+        ("LookupPrefix", Lookup(lease_id=lease, keys=[b"k"] * 100), C.INVALID_ARGUMENT,
+         "100 keys is more than the pool's 63 pages"),
+    ]  # fmt: skip
+    Shape = memory_pb2.PoolShape
+    bad_attaches = [
+        (attach_request(shape=Shape(num_layers=5, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)),
+         C.FAILED_PRECONDITION, "model 'test-model' is registered with shape (3 layers"),
+        (attach_request(shape=Shape(num_layers=0, num_kv_heads=2, head_dim=8, dtype="float32")),
+         C.INVALID_ARGUMENT, "num_layers must be between 1 and 1024, got 0"),
+        (attach_request(shape=Shape(num_layers=2, num_kv_heads=2, head_dim=8, dtype="int8")),
+         C.INVALID_ARGUMENT, "dtype must be one of float32, float16, bfloat16, got 'int8'"),
+        (attach_request(model_id="huge", shape=OTHER_SHAPE, num_pages=10**9), C.RESOURCE_EXHAUSTED,
+         "budget is left; ask for fewer pages or start the daemon with a larger --max-memory"),
+        (attach_request(model_id="tiny", shape=OTHER_SHAPE, memory_bytes=100), C.INVALID_ARGUMENT,
+         "this registration gives 0"),
+        (attach_request(model_id=""), C.INVALID_ARGUMENT, "model_id is empty"),
+        (attach_request(device="cuda"), C.FAILED_PRECONDITION, "start the daemon with --device cuda"),
+    ]  # fmt: skip
+    for method, request, code, message in bad_calls:
+        error = rpc_error(lambda method=method, request=request: getattr(stub, method)(request))
+        assert (error.code(), message in error.details()) == (code, True), error.details()
+    for request, code, message in bad_attaches:
+        error = rpc_error(lambda request=request: next(stub.Attach(request)).attached.lease_id)
+        assert (error.code(), message in error.details()) == (code, True), error.details()
+
+    assert pool_counts(stub) == before  # nothing moved, and no pool was created for the refused shapes
+    assert len(stub.GetStats(memory_pb2.GetStatsRequest()).pools) == 1
+    mine.cancel()
+    theirs.cancel()
+    wait_until(lambda: pool_counts(stub).settled)
+
+
+def test_a_daemon_removes_files_a_dead_daemon_left(run_dir: Path) -> None:
+    shm_dir = Path(tempfile.mkdtemp(prefix="pagedserve-test-", dir="/dev/shm"))
+    stale = shm_dir / "pagedserve-kv-999999999-1.bin"
+    stale.write_bytes(b"\0" * 4096)
+    ours = shm_dir / f"pagedserve-kv-{os.getpid()}-1.bin"  # a live process's pool: left alone
+    ours.write_bytes(b"\0")
+    process = start_daemon(run_dir, shm_dir=shm_dir)
+    try:
+        assert not stale.exists() and ours.exists()
+    finally:
+        assert process.stop() == 0
+        shutil.rmtree(shm_dir)
+
+
+def test_the_console_entry_point_serves_on_loopback_tcp(run_dir: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    entry = (str(Path(sys.executable).parent / "pagedserve"), "daemon")
+    process = start_daemon(run_dir, address=f"127.0.0.1:{port}", entry=entry)
+    try:
+        agent = KVAgent(f"127.0.0.1:{port}", "tcp-worker")
+        assert len(agent("allocate", n=4)) == 4
+        assert agent.close() == 0
+        assert "memory daemon serving on 127.0.0.1:" in process.log()
+    finally:
+        assert process.stop() == 0
+        assert not list(process.shm_dir.iterdir())
+        shutil.rmtree(process.shm_dir)
