@@ -9,6 +9,7 @@ import sys
 # subcommand -> (module with add_arguments and run, help)
 COMMANDS = {
     "daemon": ("memory_daemon.server", "run the KV memory daemon"),
+    "worker": ("services.worker.server", "run a compute worker"),
 }
 
 

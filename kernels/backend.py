@@ -1,0 +1,76 @@
+"""The kernel backend interface, and the attention metadata one engine step hands to it.
+
+Shapes use these names: T tokens in the step, S sequences, Hq query heads, Hkv KV heads, D head dim,
+P pages in the pool, B tokens a page, I the MLP's intermediate size.
+
+One layer's KV cache is `kv_layer`, a view of the pool of shape [2, P, B, Hkv, D]: K at index 0, V at 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the step's flat batch, and where its KV lives in the pool.
+
+    Sequences 0..num_decodes-1 are decodes with one new token each; the rest are prefill chunks, each
+    attending causally to its cached prefix and to itself.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: page * B + offset, where each new token's K and V go
+    block_tables: torch.Tensor  # [S, max_pages] int64: each sequence's pages, padded with the null page 0
+    seq_lens: torch.Tensor  # [S] int64: tokens in the cache after this step, new ones included
+    query_start: torch.Tensor  # [S + 1] int64: sequence s's new tokens are q[query_start[s]:query_start[s+1]]
+    num_decodes: int
+    # Host copies of the two above, so that the torch path never waits on the device to read them.
+    seq_lens_host: tuple[int, ...]
+    query_start_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+
+class KernelBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store k, v [T, Hkv, D] into kv_layer [2, P, B, Hkv, D] at slot_mapping [T]."""
+
+    def paged_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over each sequence's cached KV; returns [T, Hq, D].
+
+        The KV of this step's tokens must already be written. Hq is a multiple of Hkv (GQA).
+        """
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of x [T, H], after adding residual [T, H] when given.
+
+        Returns (normed, the new residual): the sum x + residual, or x itself when residual is None.
+        """
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] by position (half-split, "neox" style).
+
+        cos_sin [max_positions, 2, D] holds cos and sin of every position, repeated over both halves.
+        """
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2 * I] holds gate then up; returns silu(gate) * up, [T, I]."""

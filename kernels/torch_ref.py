@@ -1,0 +1,109 @@
+"""The torch reference backend: plain torch ops, on any device.
+
+It follows Hugging Face's Llama code operation for operation (RMSNorm in fp32, half-split rotary, SiLU
+gate), so that the engine can match `generate` token for token. Decode attention is one batched call over
+every decoding sequence's gathered pages; each prefill chunk is one call with a causal mask offset by its
+cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import AttentionMetadata
+
+
+class TorchBackend:
+    name = "torch"
+
+    def write_kv(
+        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        slots = kv_layer.view(2, -1, *kv_layer.shape[3:])  # [2, P * B, Hkv, D]
+        slots[0].index_copy_(0, slot_mapping, k)
+        slots[1].index_copy_(0, slot_mapping, v)
+
+    def paged_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            out[:n] = self._decode(q[:n], kv_layer, meta.block_tables[:n], meta.seq_lens[:n], meta, scale)
+        for s in range(n, meta.num_seqs):
+            start, end = meta.query_start_host[s], meta.query_start_host[s + 1]
+            out[start:end] = self._prefill(
+                q[start:end], kv_layer, meta.block_tables[s], meta.seq_lens_host[s], scale
+            )
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual + x
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype), x
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = cos_sin[positions]  # [T, 2, D]
+        cos, sin = table[:, 0].unsqueeze(1), table[:, 1].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def _gather(kv_layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given pages [..., n] as [..., Hkv, n * B, D]."""
+        kv = kv_layer[:, pages]  # [2, ..., n, B, Hkv, D]
+        kv = kv.flatten(-4, -3).transpose(-3, -2)  # [2, ..., Hkv, n * B, D]
+        return kv[0], kv[1]
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        page_size = kv_layer.shape[2]
+        longest = max(meta.seq_lens_host[: meta.num_decodes])
+        k, v = self._gather(kv_layer, block_tables[:, : -(-longest // page_size)])  # [S, Hkv, L, D]
+        valid = torch.arange(k.shape[2], device=q.device) < seq_lens[:, None]  # [S, L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    def _prefill(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+    ) -> torch.Tensor:
+        page_size = kv_layer.shape[2]
+        k, v = self._gather(kv_layer, block_table[: -(-seq_len // page_size)])  # [Hkv, L, D]
+        k, v = k[:, :seq_len], v[:, :seq_len]
+        n = q.shape[0]
+        cached = seq_len - n
+        if cached == 0:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            query_pos = torch.arange(cached, seq_len, device=q.device)
+            causal = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [n, L]
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k, v, attn_mask=causal, scale=scale, enable_gqa=True
+            )
+        return out.transpose(0, 1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

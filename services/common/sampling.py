@@ -1,0 +1,110 @@
+"""Sampling options: one checked dataclass that the frontend builds from a request and the worker obeys.
+
+The meanings are vLLM's SamplingParams'. Bad values raise ValueError with a message that says which field
+and what range, so the frontend can answer INVALID_ARGUMENT with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedserve.worker.v1 import worker_pb2
+
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n log-probabilities per token
+
+    def __post_init__(self) -> None:
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"sampling.{name} must be a finite number, got {getattr(self, name)}")
+        _check_range("max_tokens", self.max_tokens, 1, 1 << 20)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        _check_range("top_k", self.top_k, -1, 1 << 20)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(
+                f"sampling.repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
+            )
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_range("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"sampling.stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
+
+    def to_pb(self) -> worker_pb2.SamplingOptions:
+        return worker_pb2.SamplingOptions(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.SamplingOptions) -> SamplingOptions:
+        return cls(
+            max_tokens=pb.max_tokens,
+            temperature=pb.temperature,
+            top_p=pb.top_p,
+            top_k=pb.top_k,
+            min_p=pb.min_p,
+            repetition_penalty=pb.repetition_penalty,
+            presence_penalty=pb.presence_penalty,
+            frequency_penalty=pb.frequency_penalty,
+            seed=pb.seed if pb.HasField("seed") else None,
+            stop_token_ids=tuple(pb.stop_token_ids),
+            ignore_eos=pb.ignore_eos,
+            logprobs=pb.logprobs,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"sampling.{name} must be between {low} and {high}, got {value}")

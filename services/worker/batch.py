@@ -1,0 +1,66 @@
+"""Turning a step's schedule into the model's inputs: one flat batch of tokens, decodes first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import AttentionMetadata
+from services.worker.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    items: list[ScheduledSeq]  # in batch order: single-token chunks (decodes) first
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N]: the last token of each chunk that samples
+    sampling: list[ScheduledSeq]  # those N chunks, in the same order
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device) -> ForwardBatch:
+    ordered = sorted(items, key=lambda item: item.count != 1)  # stable: decodes first, in schedule order
+    num_decodes = sum(item.count == 1 for item in ordered)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start = [0]
+    for item in ordered:
+        seq, end = item.seq, item.start + item.count
+        input_ids += seq.tokens[item.start : end]
+        positions += range(item.start, end)
+        pages = seq.pages
+        slots += [pages[p // page_size] * page_size + p % page_size for p in range(item.start, end)]
+        seq_lens.append(end)
+        query_start.append(query_start[-1] + item.count)
+    width = max(len(item.seq.pages) for item in ordered)
+    tables = [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in ordered]
+    sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
+
+    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots),
+        block_tables=tensor(tables),
+        seq_lens=tensor(seq_lens),
+        query_start=tensor(query_start),
+        num_decodes=num_decodes,
+        seq_lens_host=tuple(seq_lens),
+        query_start_host=tuple(query_start),
+    )
+    return ForwardBatch(
+        items=ordered,
+        input_ids=tensor(input_ids),
+        positions=tensor(positions),
+        meta=meta,
+        logits_indices=tensor([query_start[i + 1] - 1 for i, _ in sampling]),
+        sampling=[item for _, item in sampling],
+    )

@@ -1,0 +1,253 @@
+"""The engine loop: schedule, build the batch, run the model, sample, check stops, emit. In its own thread.
+
+Submissions and aborts arrive from other threads through an inbox; the loop drains it at the top of every
+step, so an abort frees the request's pages before the next step runs. Each step's new tokens, for every
+request at once, go to one callback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from pagedserve.v1 import generation_pb2
+from pagedserve.worker.v1 import worker_pb2
+from services.common.sampling import SamplingOptions
+from services.worker.batch import build_batch
+from services.worker.kv import KVCache
+from services.worker.models import CausalLM
+from services.worker.sampler import TokenLogprob, sample
+from services.worker.scheduler import Scheduler
+from services.worker.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batched_tokens: int = 1024  # tokens per step, prefill chunks and decodes together
+    max_num_seqs: int = 64  # sequences running at once
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_batched_tokens and max_num_seqs must be positive")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    key: Hashable
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # one per token, when the request asked
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    error: str | None = None  # set when the engine failed the request
+
+    def to_pb(self, request_id: str) -> worker_pb2.RequestOutput:
+        reason = self.finish_reason.name if self.finish_reason else "FINISH_REASON_UNSPECIFIED"
+        return worker_pb2.RequestOutput(
+            request_id=request_id,
+            token_ids=self.token_ids,
+            logprobs=[lp.to_pb() for lp in self.logprobs],
+            finish_reason=generation_pb2.GenerateResponse.FinishReason.Value(reason),
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            error=self.error or "",
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        config: EngineConfig,
+        on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.config = config
+        self.scheduler = Scheduler(
+            kv,
+            max_batched_tokens=config.max_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            prefix_caching=config.prefix_caching,
+        )
+        self.on_outputs = on_outputs
+        self.steps = 0
+        self._eos = frozenset(model.spec.eos_token_ids)
+        self._live: dict[Hashable, Sequence] = {}  # touched only by the engine thread
+        self._wake = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[Hashable] = []
+        self._arrivals = itertools.count()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # Called from any thread ------------------------------------------------------------------------
+
+    def submit(
+        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+    ) -> None:
+        """Queue a request; raises ValueError for a prompt this model cannot run."""
+        spec = self.model.spec
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= spec.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, but the model's context is {spec.max_model_len}, "
+                "and at least one must be left to generate"
+            )
+        bad = next((t for t in prompt_ids if not 0 <= t < spec.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{spec.vocab_size - 1})")
+        pages = -(-(len(prompt_ids) + 1) // self.kv.page_size)
+        if pages >= self.kv.num_pages:
+            raise ValueError(
+                f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}"
+            )
+        seq = Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
+        with self._wake:
+            self._inbox.append(seq)
+            self._wake.notify()
+
+    def abort(self, keys: Iterable[Hashable]) -> None:
+        with self._wake:
+            self._aborts.extend(keys)
+            self._wake.notify()
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        with self._wake:
+            queued = len(self._inbox)
+        return len(self.scheduler.running), self.scheduler.num_waiting + queued
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # The engine thread ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns what it produced."""
+        outputs = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        for seq in plan.finished:
+            outputs.append(self._finished(seq, [], []))
+        if not plan.items:
+            return outputs
+        batch = build_batch(plan.items, self.kv.page_size, self.model.device)
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, batch.meta, self.kv.kv, batch.logits_indices
+        )
+        samples = sample(logits, [item.seq for item in batch.sampling])
+        self.steps += 1
+        for item in batch.items:
+            item.seq.num_computed += item.count
+            self.scheduler.publish_full_pages(item.seq)
+        for item, token, logprob in zip(batch.sampling, samples.token_ids, samples.logprobs, strict=True):
+            seq = item.seq
+            seq.tokens.append(token)
+            reason = self._stop_reason(seq, token)
+            logprobs = [logprob] if logprob is not None else []
+            if reason is None:
+                outputs.append(RequestOutput(seq.key, [token], logprobs))
+            else:
+                self.scheduler.finish(seq, reason)
+                outputs.append(self._finished(seq, [token], logprobs))
+        return outputs
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def run_until_done(self) -> list[RequestOutput]:
+        """Step until every submitted request finishes (for tests and benchmarks, without the thread)."""
+        outputs: list[RequestOutput] = []
+        while True:
+            outputs += self.step()
+            with self._wake:
+                idle = not self._inbox and not self._aborts
+            if idle and not self.has_work():
+                return outputs
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopping or self._inbox or self._aborts or self.has_work())
+                if self._stopping:
+                    break
+            try:
+                outputs = self.step()
+            except Exception:
+                log.exception("engine step failed; failing every live request")
+                outputs = self._fail_all("the engine failed on this request's step; see the worker log")
+            if outputs and self.on_outputs is not None:
+                self.on_outputs(outputs)
+        outputs = [self._finish(seq, FinishReason.ABORT) for seq in list(self._live.values())]
+        if outputs and self.on_outputs is not None:
+            self.on_outputs(outputs)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._wake:
+            arrived, self._inbox = self._inbox, []
+            aborted, self._aborts = self._aborts, []
+        outputs = []
+        for seq in arrived:
+            if seq.key in self._live:
+                outputs.append(
+                    RequestOutput(seq.key, [], [], FinishReason.ABORT, error="request id is already running")
+                )
+                continue
+            self._live[seq.key] = seq
+            self.scheduler.add(seq)
+        for key in aborted:
+            seq = self._live.get(key)
+            if seq is not None:
+                outputs.append(self._finish(seq, FinishReason.ABORT))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        options = seq.options
+        if token in options.stop_token_ids or (not options.ignore_eos and token in self._eos):
+            return FinishReason.STOP
+        if (
+            seq.num_tokens - seq.prompt_len >= options.max_tokens
+            or seq.num_tokens >= self.model.spec.max_model_len
+        ):
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        return self._finished(seq, [], [], error)
+
+    def _finished(
+        self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob], error: str | None = None
+    ) -> RequestOutput:
+        del self._live[seq.key]
+        return RequestOutput(
+            seq.key,
+            token_ids,
+            logprobs,
+            seq.finish_reason,
+            prompt_tokens=seq.prompt_len,
+            cached_prompt_tokens=seq.cached_prompt_tokens,
+            error=error,
+        )
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        return [self._finish(seq, FinishReason.ABORT, message) for seq in list(self._live.values())]

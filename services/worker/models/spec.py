@@ -1,0 +1,110 @@
+"""A model's architecture, read from its Hugging Face config.json."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3 normalizes each query and key head before rotary
+    max_model_len: int  # positions the worker serves; a sliding window caps it, so full attention stays exact
+    eos_token_ids: tuple[int, ...]
+    hf_config: Any  # the transformers config, for rotary parameters
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads} attention heads do not split into {self.num_kv_heads} KV heads"
+            )
+
+    @property
+    def num_parameters(self) -> int:
+        """Matrix parameters, the embedding counted once when tied (the FLOP count uses this)."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embeddings
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path) -> ModelSpec:
+        config = AutoConfig.from_pretrained(model_dir)
+        return cls.from_hf(config, _eos_token_ids(model_dir, config))
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig, eos_token_ids: tuple[int, ...] = ()) -> ModelSpec:
+        if config.model_type not in SUPPORTED:
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported; pagedserve runs the Llama family: "
+                + ", ".join(SUPPORTED)
+            )
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        max_len = config.max_position_embeddings
+        window = _sliding_window(config)
+        if window is not None:
+            max_len = min(max_len, window)
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=config.model_type == "qwen3",
+            max_model_len=max_len,
+            eos_token_ids=eos_token_ids,
+            hf_config=config,
+        )
+
+
+def model_identity(model_dir: Path) -> str:
+    """A name for the prefix cache: the folder's name and a digest of its config and weight files' sizes."""
+    digest = hashlib.blake2b(digest_size=6)
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return f"{model_dir.name}-{digest.hexdigest()}"
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of any sliding-attention layer, or None when every layer attends fully."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
+
+
+def _eos_token_ids(model_dir: Path, config: PretrainedConfig) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources: list[Any] = [getattr(config, "eos_token_id", None)]
+    if (model_dir / "generation_config.json").exists():
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    for source in sources:
+        for token in source if isinstance(source, list | tuple) else [source]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)

@@ -1,0 +1,126 @@
+"""Batched sampling in torch, with vLLM's meanings.
+
+Per row, in order: penalties (repetition over prompt and output, presence and frequency over the
+output), temperature, min_p, then top_k and top_p. Greedy rows take the argmax of the penalized logits.
+Random rows draw by the exponential race, argmax(p / E) with E ~ Exp(1), which samples from p exactly; a
+seeded row draws its noise from its own generator, one vocabulary-sized draw per token, so its tokens do
+not depend on what else is in the batch. Log-probabilities are the model's own (before penalties and
+temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.v1 import generation_pb2
+from services.common.sampling import SamplingOptions
+from services.worker.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the n most likely tokens and their log-probabilities
+
+    def to_pb(self) -> generation_pb2.TokenLogprobs:
+        top = [generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top]
+        return generation_pb2.TokenLogprobs(token_id=self.token_id, logprob=self.logprob, top=top)
+
+
+@dataclass(frozen=True)
+class Samples:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None for rows that did not ask
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
+    """Pick one token per row of logits [S, V] (fp32) for the matching sequence."""
+    options = [seq.options for seq in seqs]
+    raw = logits
+    if any(o.penalized for o in options):
+        logits = apply_penalties(logits.clone(), seqs)
+    greedy = logits.argmax(dim=-1)
+    if all(o.greedy for o in options):
+        chosen = greedy
+    else:
+        probs = filtered_probs(logits, options)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.options.seed is not None and not seq.options.greedy:
+                noise[row].exponential_(generator=_generator(seq, logits.device))
+        drawn = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([o.greedy for o in options], device=logits.device)
+        chosen = torch.where(is_greedy, greedy, drawn)
+    token_ids = chosen.tolist()
+    return Samples(token_ids, _logprobs(raw, token_ids, options))
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Penalize, in place, the rows whose sequences ask for it."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        o = seq.options
+        if not o.penalized:
+            continue
+        output = torch.tensor(seq.output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.zeros(vocab, device=logits.device).index_add_(
+            0, output, torch.ones(len(output), device=logits.device)
+        )
+        if o.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(seq.tokens[: seq.prompt_len], dtype=torch.long, device=logits.device)] = True
+            x = logits[row]
+            penalized = torch.where(x > 0, x / o.repetition_penalty, x * o.repetition_penalty)
+            logits[row] = torch.where(seen, penalized, x)
+        logits[row] -= o.frequency_penalty * counts + o.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+    """Probabilities after temperature, min_p, top_k and top_p; removed tokens have probability 0."""
+    temperature = torch.tensor([o.temperature or 1.0 for o in options], device=logits.device)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    if not any(o.filtered for o in options):
+        return probs
+    vocab = probs.shape[1]
+    min_p = torch.tensor([o.min_p for o in options], device=logits.device)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    top_k = torch.tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], device=logits.device)
+    top_p = torch.tensor([o.top_p for o in options], device=logits.device)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
+    # top_p keeps the smallest prefix of what top_k left whose mass reaches top_p; the first token stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    threshold = torch.where(top_p < 1.0, top_p, torch.inf)[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+    drop = mass_before >= threshold
+    drop[:, 0] = False
+    return probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=device)
+        seq.generator.manual_seed(seq.options.seed)  # type: ignore[arg-type]
+    return seq.generator
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: list[int], options: list[SamplingOptions]
+) -> list[TokenLogprob | None]:
+    wanted = [row for row, o in enumerate(options) if o.logprobs]
+    results: list[TokenLogprob | None] = [None] * len(options)
+    if not wanted:
+        return results
+    logprobs = torch.log_softmax(logits[wanted], dim=-1)
+    n = max(options[row].logprobs for row in wanted)
+    top_values, top_ids = logprobs.topk(n, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[token_ids[row]] for row in wanted], device=logits.device))
+    for i, row in enumerate(wanted):
+        k = options[row].logprobs
+        top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
+        results[row] = TokenLogprob(token_ids[row], chosen[i, 0].item(), top)
+    return results

@@ -1,0 +1,153 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Each step has a budget of tokens and of sequences. Running sequences go first, best rank first (priority,
+then arrival): decodes take one token, unfinished prefills take a chunk of what is left. Waiting sequences
+are then admitted while budget remains; admission first looks up the prompt in the prefix cache, so cached
+pages are neither recomputed nor allocated. When a sequence needs pages and the pool has none, the
+worst-ranked running sequence that has not been scheduled yet is preempted: its pages go back (published
+ones stay cached) and it waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from services.worker.kv import KVCache
+from services.worker.sequence import FinishReason, Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # the first new token's position
+    count: int  # new tokens this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so the step samples its next token."""
+        return self.start + self.count == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class Plan:
+    items: list[ScheduledSeq]
+    finished: list[Sequence]  # ended while scheduling: the pool cannot hold them even alone
+
+
+class Scheduler:
+    def __init__(
+        self, kv: KVCache, *, max_batched_tokens: int, max_num_seqs: int, prefix_caching: bool = True
+    ) -> None:
+        self.kv = kv
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.prefix_caching = prefix_caching
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
+        self.preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        heapq.heappush(self._waiting, (seq.rank, seq))
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence, running or waiting: its pages go back at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self._waiting = [entry for entry in self._waiting if entry[1] is not seq]
+            heapq.heapify(self._waiting)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> Plan:
+        budget = self.max_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        dropped: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.rank):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted for a better sequence this step
+                continue
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if self._reserve(seq, count, protected=scheduled):
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, count))
+                budget -= count
+            elif len(self.running) == 1:
+                self.finish(seq, FinishReason.LENGTH)  # alone, and still the pool cannot hold it
+                dropped.append(seq)
+            else:
+                self._preempt(seq)
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._waiting[0][1]
+            if self.prefix_caching and seq.num_computed == 0:
+                self._match_prefix(seq)
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, count, protected=scheduled, may_preempt=False):
+                self._release(seq)  # do not sit on cached pages while waiting
+                break
+            heapq.heappop(self._waiting)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed, count))
+            budget -= count
+        return Plan(scheduled, dropped)
+
+    def publish_full_pages(self, seq: Sequence) -> None:
+        """Offer every newly computed full page to the prefix cache."""
+        full = seq.num_computed // self.kv.page_size
+        if self.prefix_caching and full > seq.num_shared:
+            keys = seq.page_keys(full, self.kv.page_size)
+            self.kv.publish(keys[seq.num_shared :], seq.pages[seq.num_shared : full])
+            seq.num_shared = full
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # At least one token must be computed, to have logits to sample from.
+        limit = (seq.num_tokens - 1) // self.kv.page_size
+        if limit == 0:
+            return
+        pages = self.kv.lookup(seq.page_keys(limit, self.kv.page_size))
+        seq.pages = pages
+        seq.num_shared = len(pages)
+        seq.num_computed = len(pages) * self.kv.page_size
+        if seq.preemptions == 0:
+            seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
+
+    def _reserve(
+        self, seq: Sequence, count: int, *, protected: list[ScheduledSeq], may_preempt: bool = True
+    ) -> bool:
+        """Hold enough pages for `count` more tokens, preempting worse running sequences if allowed."""
+        need = -(-(seq.num_computed + count) // self.kv.page_size) - len(seq.pages)
+        while need > 0:
+            pages = self.kv.allocate(need)
+            if pages is not None:
+                seq.pages += pages
+                return True
+            victim = self._victim(seq, protected) if may_preempt else None
+            if victim is None:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _victim(self, seq: Sequence, protected: list[ScheduledSeq]) -> Sequence | None:
+        busy = {id(item.seq) for item in protected}
+        candidates = [s for s in self.running if s is not seq and id(s) not in busy and s.rank > seq.rank]
+        return max(candidates, key=lambda s: s.rank, default=None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.kv.free(seq.pages)
+        seq.reset()

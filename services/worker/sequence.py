@@ -1,0 +1,71 @@
+"""One request inside the engine: its tokens, its place in the pool, and how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from memory_daemon.prefix import ROOT_KEY, page_keys
+from services.common.sampling import SamplingOptions
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    key: Hashable  # the caller's handle for the request
+    tokens: list[int]  # prompt, then output
+    prompt_len: int
+    options: SamplingOptions
+    priority: int  # lower runs first
+    arrival: int  # submission order, the tie-breaker
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)  # the block table
+    num_computed: int = 0  # leading tokens whose KV is in the pool
+    num_shared: int = 0  # leading pages that are shared: published, or found in the prefix cache
+    cached_prompt_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
+    preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None  # per-request randomness, when seeded
+    _keys: list[bytes] = field(default_factory=list)  # the hash chain of leading full pages
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Scheduling order: smaller runs first and is preempted last."""
+        return (self.priority, self.arrival)
+
+    def page_keys(self, count: int, page_size: int) -> list[bytes]:
+        """The chain keys of the first `count` full pages, extending the cached chain as needed."""
+        if count > len(self._keys):
+            start = len(self._keys) * page_size
+            parent = self._keys[-1] if self._keys else ROOT_KEY
+            self._keys += page_keys(self.tokens[start : count * page_size], page_size, parent)
+        return self._keys[:count]
+
+    def reset(self) -> None:
+        """Forget the KV (after preemption): the tokens stay and are recomputed on readmission."""
+        self.pages = []
+        self.num_computed = 0
+        self.num_shared = 0
+        self.status = Status.WAITING

@@ -1,0 +1,166 @@
+"""The worker process: `pagedserve worker`. It loads the model, attaches to the daemon's pool, runs the
+engine thread, and serves the Worker service and grpc.health.v1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from kernels import KernelBackend, TorchBackend
+from memory_daemon.shape import PoolShape
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.default_model import resolve_model
+from services.common.logs import setup_logging
+from services.common.rpc import start_server
+from services.common.sizes import parse_bytes
+from services.worker.config import WorkerConfig
+from services.worker.engine import Engine, EngineConfig
+from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache
+from services.worker.models import CausalLM
+from services.worker.models.spec import model_identity
+from services.worker.service import SERVICE_NAME, WorkerService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedWorker:
+    engine: Engine
+    info: worker_pb2.WorkerInfo
+
+
+def kernel_backend(device: torch.device) -> KernelBackend:
+    return TorchBackend()
+
+
+def load_worker(config: WorkerConfig) -> LoadedWorker:
+    """Load the model and attach its KV cache: everything but the server."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model_dir = resolve_model(config.model)
+    device = torch.device(config.device)
+    model = CausalLM.from_pretrained(
+        model_dir, dtype=config.torch_dtype, device=device, backend=kernel_backend(device)
+    )
+    spec = model.spec
+    model_id = config.model_id or model_identity(model_dir)
+    dtype_name = str(config.torch_dtype).removeprefix("torch.")
+    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, config.page_size)  # type: ignore[arg-type]
+    kv: KVCache
+    if config.daemon is None:
+        kv = LocalKVCache(shape, config.kv_memory_bytes // shape.page_bytes, model_id=model_id, device=device)
+    else:
+        kv = DaemonKVCache(
+            config.daemon,
+            model_id=model_id,
+            shape=shape,
+            worker_name=config.name,
+            memory_bytes=config.kv_memory_bytes,
+            device=config.device,
+        )
+    log.info(
+        "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages %s",
+        model_dir, spec.model_type, f"{spec.num_parameters / 1e6:.0f}M", config.device, dtype_name,
+        kv.num_pages - 1, "in-process" if config.daemon is None else f"from the daemon at {config.daemon}",
+    )  # fmt: skip
+    info = worker_pb2.WorkerInfo(
+        model_id=model_id,
+        model_dir=str(model_dir),
+        max_model_len=spec.max_model_len,
+        vocab_size=spec.vocab_size,
+        eos_token_ids=spec.eos_token_ids,
+        dtype=dtype_name,
+        device=config.device,
+        page_size=config.page_size,
+        worker_name=config.name,
+    )
+    return LoadedWorker(Engine(model, kv, config.engine), info)
+
+
+async def serve(config: WorkerConfig) -> None:
+    loaded = await asyncio.to_thread(load_worker, config)
+    engine = loaded.engine
+    service = WorkerService(engine, loaded.info, asyncio.get_running_loop())
+    engine.start()
+    running = await start_server(
+        config.address,
+        lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(service, server),
+        [SERVICE_NAME],
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    log.info("worker %r serving on %s", config.name, running.address)
+    try:
+        await stop.wait()
+        log.info("shutting down")
+        await running.stop(grace_s=5.0)
+    finally:
+        await asyncio.to_thread(engine.stop)
+        engine.kv.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkerConfig()
+    engine = defaults.engine
+    parser.add_argument("--model", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model-id", help="the prefix cache's name for the model (default: from the folder)")
+    parser.add_argument("--name", default=defaults.name, help="this worker's name in logs and statistics")
+    parser.add_argument(
+        "--address", default=defaults.address, help="host:port or unix:/path (default: %(default)s)"
+    )
+    parser.add_argument("--daemon", default=defaults.daemon, help="the memory daemon (default: %(default)s)")
+    parser.add_argument(
+        "--kv",
+        choices=["daemon", "local"],
+        default="daemon",
+        help="lease the pool from the daemon, or keep one in this process",
+    )
+    parser.add_argument(
+        "--device", default=defaults.device, help="cpu, cuda or cuda:N (default: %(default)s)"
+    )
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--kv-memory",
+        type=parse_bytes,
+        default=defaults.kv_memory_bytes,
+        help="the pool's size if this worker creates it (default: 1GiB)",
+    )
+    parser.add_argument("--page-size", type=int, default=defaults.page_size, choices=[8, 16, 32])
+    parser.add_argument("--max-batched-tokens", type=int, default=engine.max_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--log-level", default="INFO")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model,
+        model_id=args.model_id,
+        name=args.name,
+        address=args.address,
+        daemon=None if args.kv == "local" else args.daemon,
+        device=args.device,
+        dtype=args.dtype,
+        kv_memory_bytes=args.kv_memory,
+        page_size=args.page_size,
+        threads=args.threads,
+        engine=EngineConfig(
+            max_batched_tokens=args.max_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            prefix_caching=not args.no_prefix_caching,
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(f"worker[{args.name}]", args.log_level)
+    asyncio.run(serve(config_from_args(args)))
+    return 0
