@@ -60,9 +60,10 @@ class TorchBackend:
 
     @staticmethod
     def _gather(kv_layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given pages [..., n] as [..., Hkv, n * B, D]."""
-        kv = kv_layer[:, pages]  # [2, ..., n, B, Hkv, D]
-        kv = kv.flatten(-4, -3).transpose(-3, -2)  # [2, ..., Hkv, n * B, D]
+        """K and V of the given pages [..., n] as [..., n * B, Hkv, D]: one row copy per page."""
+        num_pages, page_size, kv_heads, head_dim = kv_layer.shape[1:]
+        rows = kv_layer.view(2, num_pages, -1).index_select(1, pages.flatten())
+        kv = rows.view(2, *pages.shape[:-1], pages.shape[-1] * page_size, kv_heads, head_dim)
         return kv[0], kv[1]
 
     def _decode(
@@ -74,34 +75,41 @@ class TorchBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        page_size = kv_layer.shape[2]
+        seqs, q_heads, head_dim = q.shape
+        page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
         longest = max(meta.seq_lens_host[: meta.num_decodes])
-        k, v = self._gather(kv_layer, block_tables[:, : -(-longest // page_size)])  # [S, Hkv, L, D]
-        valid = torch.arange(k.shape[2], device=q.device) < seq_lens[:, None]  # [S, L]
+        k, v = self._gather(kv_layer, block_tables[:, : -(-longest // page_size)])  # [S, L, Hkv, D]
+        valid = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # [S, L]
+        # One query token each: the query heads that share a KV head form a short "sequence" of queries
+        # against it, which needs no GQA expansion of K and V.
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+            q.view(seqs, kv_heads, q_heads // kv_heads, head_dim),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
         )
-        return out.squeeze(2)
+        return out.view(seqs, q_heads, head_dim)
 
     def _prefill(
         self, q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
     ) -> torch.Tensor:
-        page_size = kv_layer.shape[2]
-        k, v = self._gather(kv_layer, block_table[: -(-seq_len // page_size)])  # [Hkv, L, D]
-        k, v = k[:, :seq_len], v[:, :seq_len]
-        n = q.shape[0]
+        n, q_heads, head_dim = q.shape
+        page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+        group = q_heads // kv_heads
+        k, v = self._gather(kv_layer, block_table[: -(-seq_len // page_size)])  # [L, Hkv, D]
+        # [Hkv, G, L, D] views: each KV head broadcast over its query heads, without a copy.
+        k = k[:seq_len].transpose(0, 1).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim)
+        v = v[:seq_len].transpose(0, 1).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim)
+        queries = q.view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         cached = seq_len - n
         if cached == 0:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
+            out = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale)
         else:
             query_pos = torch.arange(cached, seq_len, device=q.device)
             causal = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [n, L]
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k, v, attn_mask=causal, scale=scale, enable_gqa=True
-            )
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(queries, k, v, attn_mask=causal, scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(n, q_heads, head_dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Real processes for tests: a memory daemon on a unix socket, with its pools in a private /dev/shm folder."""
+"""Real processes for tests: daemons and workers on unix sockets, pools in a private /dev/shm folder."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
-class DaemonProcess:
+class ServiceProcess:
+    """A pagedserve process serving gRPC at address, its output in log_path."""
+
     proc: subprocess.Popen[bytes]
     address: str
-    shm_dir: Path
     log_path: Path
 
     def log(self) -> str:
@@ -29,7 +30,29 @@ class DaemonProcess:
         """SIGTERM and wait; returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=20)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@dataclass
+class DaemonProcess(ServiceProcess):
+    shm_dir: Path
+
+
+def start_service(command: list[str], address: str, log_path: Path, timeout_s: float = 120) -> ServiceProcess:
+    """Start a process and wait until it reports SERVING at address."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    service = ServiceProcess(proc, address, log_path)
+    try:
+        wait_for_health(address, timeout_s=timeout_s)
+    except TimeoutError:
+        service.stop()
+        raise AssertionError(f"{command[:4]} did not come up:\n{service.log()}") from None
+    return service
 
 
 def start_daemon(
@@ -42,17 +65,17 @@ def start_daemon(
     """Start a daemon (by default on a unix socket in run_dir) and wait until it reports SERVING."""
     shm_dir = shm_dir or Path(tempfile.mkdtemp(prefix="pagedserve-test-", dir="/dev/shm"))
     address = address or f"unix:{run_dir}/daemon.sock"
-    log_path = run_dir / "daemon.log"
     command = [*entry, "--address", address, "--shm-dir", str(shm_dir), *extra]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    daemon = DaemonProcess(proc, address, shm_dir, log_path)
-    try:
-        wait_for_health(address, timeout_s=30)
-    except TimeoutError:
-        daemon.stop()
-        raise AssertionError(f"the daemon did not come up:\n{daemon.log()}") from None
-    return daemon
+    service = start_service(command, address, run_dir / "daemon.log", timeout_s=30)
+    return DaemonProcess(service.proc, address, service.log_path, shm_dir)
+
+
+def start_worker(run_dir: Path, daemon_address: str, *extra: str, name: str = "worker") -> ServiceProcess:
+    """Start `pagedserve worker` against a daemon, on a unix socket in run_dir."""
+    address = f"unix:{run_dir}/{name}.sock"
+    command = [sys.executable, "-m", "services.cli", "worker", "--name", name, "--address", address]
+    command += ["--daemon", daemon_address, *extra]
+    return start_service(command, address, run_dir / f"{name}.log")
 
 
 class KVAgent:

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pagedserve.worker.v1 import worker_pb2
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy, and dividing by it would overflow fp32
 MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below 1e-5) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables
     min_p: float = 0.0
@@ -94,7 +95,7 @@ class SamplingOptions:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -82,6 +82,7 @@ class Engine:
         )
         self.on_outputs = on_outputs
         self.steps = 0
+        self.last_batch: tuple[int, int] = (0, 0)  # (tokens, sampled rows) of the last forward pass
         self._eos = frozenset(model.spec.eos_token_ids)
         self._live: dict[Hashable, Sequence] = {}  # touched only by the engine thread
         self._wake = threading.Condition()
@@ -156,6 +157,7 @@ class Engine:
         )
         samples = sample(logits, [item.seq for item in batch.sampling])
         self.steps += 1
+        self.last_batch = (batch.num_tokens, len(batch.sampling))
         for item in batch.items:
             item.seq.num_computed += item.count
             self.scheduler.publish_full_pages(item.seq)
@@ -172,22 +174,20 @@ class Engine:
         return outputs
 
     def has_work(self) -> bool:
-        return bool(self._live)
+        """Whether a request is live or queued (call from the engine's own thread)."""
+        return bool(self._live or self._inbox or self._aborts)
 
     def run_until_done(self) -> list[RequestOutput]:
         """Step until every submitted request finishes (for tests and benchmarks, without the thread)."""
         outputs: list[RequestOutput] = []
-        while True:
+        while self.has_work():
             outputs += self.step()
-            with self._wake:
-                idle = not self._inbox and not self._aborts
-            if idle and not self.has_work():
-                return outputs
+        return outputs
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._stopping or self._inbox or self._aborts or self.has_work())
+                self._wake.wait_for(lambda: self._stopping or self.has_work())
                 if self._stopping:
                     break
             try:

@@ -81,7 +81,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
     """Probabilities after temperature, min_p, top_k and top_p; removed tokens have probability 0."""
-    temperature = torch.tensor([o.temperature or 1.0 for o in options], device=logits.device)
+    temperature = torch.tensor([1.0 if o.greedy else o.temperature for o in options], device=logits.device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     if not any(o.filtered for o in options):
         return probs

@@ -110,11 +110,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._engine.abort((stream, request_id) for request_id in request.abort if request_id in live)
 
     def _submit(self, stream: int, submit: worker_pb2.Submit, live: set[str]) -> str | None:
-        """Queue one request; return why it was refused, or None."""
+        """Queue one request; return why it was refused, or None.
+
+        A submit that cannot be answered by its own id breaks the protocol and ends the stream.
+        """
         if not submit.request_id:
-            return "request_id is empty"
+            raise ValueError("a submit has an empty request_id")
         if submit.request_id in live:
-            return f"request id {submit.request_id!r} is already running on this stream"
+            raise ValueError(
+                f"request id {submit.request_id!r} is already running on this stream; ids must be unique"
+            )
         try:
             options = SamplingOptions.from_pb(submit.sampling)
             self._engine.submit(

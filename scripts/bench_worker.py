@@ -1,0 +1,253 @@
+"""Benchmark the compute worker on SmolLM2-135M, fp32, on this CPU, beside Hugging Face transformers.
+
+    python scripts/bench_worker.py [--requests 16] [--prompt-tokens 128] [--output-tokens 64]
+
+Every request is greedy and runs to exactly --output-tokens tokens. In one run it prints:
+- output tokens/s of the engine (in-process pool, and the daemon's pool) and of a real worker process
+  reached over gRPC;
+- transformers' `generate` with one static batch, and `generate_batch` (its continuous batching);
+- the engine's achieved model FLOP/s (2 x parameters x tokens processed / time) beside torch's GEMM rate at
+  the very shapes the engine ran: the same GEMMs timed alone;
+- the decode step time with the daemon's pool against the in-process pool.
+Machines are noisy: compare the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
+
+from kernels import TorchBackend  # noqa: E402
+from memory_daemon.shape import PoolShape  # noqa: E402
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from services.common.default_model import default_model_dir  # noqa: E402
+from services.common.rpc import wait_for_health  # noqa: E402
+from services.common.sampling import SamplingOptions  # noqa: E402
+from services.worker.engine import Engine, EngineConfig  # noqa: E402
+from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache  # noqa: E402
+from services.worker.models import CausalLM  # noqa: E402
+
+KV_BYTES = 512 * 2**20
+Step = tuple[int, int, float]
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how "
+    "knowledge travelled across Europe. Scholars, merchants and priests all found new uses for cheap books, "
+    "and cities grew their own presses, guilds and libraries. "
+)
+
+
+def make_prompts(tokenizer: AutoTokenizer, count: int, length: int) -> list[list[int]]:
+    ids = tokenizer(TEXT * (2 + count * length // 40))["input_ids"]
+    return [ids[i * 7 : i * 7 + length] for i in range(count)]
+
+
+def run_in_lockstep(
+    engines: dict[str, Engine], prompts: list[list[int]], output_tokens: int
+) -> dict[str, list[Step]]:
+    """Generate the same requests on every engine, alternating their steps so that they share the machine's
+    noise; return each engine's steps: (tokens, sampled rows, seconds)."""
+    options = SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    for engine in engines.values():
+        for key, prompt in enumerate(prompts):
+            engine.submit(key, prompt, options)
+    steps: dict[str, list[Step]] = {name: [] for name in engines}
+    while any(engine.has_work() for engine in engines.values()):
+        for name, engine in engines.items():
+            if engine.has_work():
+                begin = time.perf_counter()
+                engine.step()
+                steps[name].append((*engine.last_batch, time.perf_counter() - begin))
+    return steps
+
+
+def gemm_seconds(model: CausalLM, tokens: int, rows: int, repeats: int = 3) -> float:
+    """Time the forward pass's GEMMs alone, at one step's shapes: best of `repeats`."""
+    w = model.weights
+    x = torch.randn(tokens, model.spec.hidden_size)
+    attn = torch.randn(tokens, model.spec.num_heads * model.spec.head_dim)
+    mlp = torch.randn(tokens, model.spec.intermediate_size)
+    head_in = torch.randn(rows, model.spec.hidden_size)
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        for layer in w.layers:
+            F.linear(x, layer.qkv)
+            F.linear(attn, layer.o)
+            F.linear(x, layer.gate_up)
+            F.linear(mlp, layer.down)
+        F.linear(head_in, w.lm_head)
+        best = min(best, time.perf_counter() - begin)
+    return best
+
+
+def worker_process_throughput(
+    daemon: str, run_dir: Path, prompts: list[list[int]], output_tokens: int
+) -> float:
+    address = f"unix:{run_dir}/worker.sock"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "worker", "--daemon", daemon, "--address", address,
+         "--kv-memory", str(KV_BYTES), "--log-level", "WARNING"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        wait_for_health(address, timeout_s=180)
+        requests: queue.Queue[worker_pb2.WorkerRequest | None] = queue.Queue()
+        options = SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True).to_pb()
+        with grpc.insecure_channel(address) as channel:
+            replies = worker_pb2_grpc.WorkerStub(channel).Connect(iter(requests.get, None))
+            # Warm up with one short request, then time the batch.
+            requests.put(
+                worker_pb2.WorkerRequest(
+                    submit=[
+                        worker_pb2.Submit(request_id="warm", prompt_token_ids=prompts[0], sampling=options)
+                    ]
+                )
+            )
+            for reply in replies:
+                if any(o.finish_reason for o in reply.outputs):
+                    break
+            start = time.perf_counter()
+            submits = [
+                worker_pb2.Submit(request_id=str(i), prompt_token_ids=p, sampling=options)
+                for i, p in enumerate(prompts)
+            ]
+            requests.put(worker_pb2.WorkerRequest(submit=submits))
+            pending, produced = len(prompts), 0
+            for reply in replies:
+                for output in reply.outputs:
+                    produced += len(output.token_ids)
+                    pending -= bool(output.finish_reason)
+                if not pending:
+                    break
+            elapsed = time.perf_counter() - start
+            requests.put(None)
+        return produced / elapsed
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=EngineConfig().max_batched_tokens)
+    args = parser.parse_args()
+    n, out_len = args.requests, args.output_tokens
+    torch.manual_seed(0)
+    model_dir = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tokenizer, n, args.prompt_tokens)
+    model = CausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
+    )
+    spec = model.spec
+    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
+    config = EngineConfig(
+        max_batched_tokens=args.max_batched_tokens, max_num_seqs=max(n, 16), prefix_caching=False
+    )
+    threads = torch.get_num_threads()
+    print(f"SmolLM2-135M fp32, {threads} threads: {n} requests x {args.prompt_tokens} prompt tokens "
+          f"-> {out_len} output tokens, greedy; max_batched_tokens {config.max_batched_tokens}")  # fmt: skip
+
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
+    daemon_address = f"unix:{run_dir}/daemon.sock"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "memory_daemon", "--address", daemon_address, "--log-level", "WARNING"],
+        cwd=ROOT,
+    )
+    results: dict[str, float] = {}
+    try:
+        wait_for_health(daemon_address, timeout_s=30)
+        caches: dict[str, KVCache] = {
+            "in-process pool": LocalKVCache(shape, KV_BYTES // shape.page_bytes),
+            "daemon pool": DaemonKVCache(
+                daemon_address, model_id="bench", shape=shape, memory_bytes=KV_BYTES
+            ),
+        }
+        engines = {name: Engine(model, kv, config) for name, kv in caches.items()}
+        run_in_lockstep(engines, prompts[:2], 4)  # warm up
+        step_logs = run_in_lockstep(engines, prompts, out_len)
+        for name, steps in step_logs.items():
+            results[f"engine, {name}"] = n * out_len / sum(seconds for _, _, seconds in steps)
+            caches[name].close()
+        results["worker process over gRPC"] = worker_process_throughput(
+            daemon_address, run_dir, prompts, out_len
+        )
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    batch = torch.tensor(prompts)
+    with torch.inference_mode():
+        hf.generate(batch[:2], max_new_tokens=4, do_sample=False)  # warm up
+        start = time.perf_counter()
+        hf.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+        )
+        results["HF generate, static batch"] = n * out_len / (time.perf_counter() - start)
+        generation = GenerationConfig(
+            max_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        start = time.perf_counter()
+        produced = hf.generate_batch(inputs=prompts, generation_config=generation, max_new_tokens=out_len)
+        elapsed = time.perf_counter() - start
+        results["HF generate_batch"] = sum(len(o.generated_tokens) for o in produced.values()) / elapsed
+
+    print(f"\n{'output tokens/s':<34} {'tok/s':>8} {'vs HF static':>13}")
+    for name, rate in results.items():
+        print(f"{name:<34} {rate:>8.1f} {rate / results['HF generate, static batch']:>12.2f}x")
+
+    steps = step_logs["in-process pool"]
+    gemm = {shape: gemm_seconds(model, *shape) for shape in {(tokens, rows) for tokens, rows, _ in steps}}
+    print(
+        f"\nmodel FLOP/s = 2 x {spec.num_parameters / 1e6:.1f}M parameters x tokens processed / time"
+        " (in-process pool)"
+    )
+    print(
+        f"{'steps':<22} {'tokens':>7} {'engine GFLOP/s':>15} {'torch GEMM GFLOP/s':>19} {'engine / GEMM':>14}"
+    )
+    phases = {
+        "all": steps,
+        "with prefill": [step for step in steps if step[0] > step[1]],
+        "decode only": [step for step in steps if step[0] == step[1]],
+    }
+    for label, chosen in phases.items():
+        processed = sum(tokens for tokens, _, _ in chosen)
+        flops = 2 * spec.num_parameters * processed
+        engine_time = sum(seconds for _, _, seconds in chosen)
+        gemm_time = sum(gemm[(tokens, rows)] for tokens, rows, _ in chosen)
+        rates = f"{flops / engine_time / 1e9:>15.1f} {flops / gemm_time / 1e9:>19.1f}"
+        print(f"{label:<22} {processed:>7} {rates} "
+              f"{gemm_time / engine_time:>14.1%}")  # fmt: skip
+    print("target: 85% or more of the GEMM rate")
+    decode = {name: [s for t, r, s in log if t == r == n] for name, log in step_logs.items()}
+    local, remote = (sum(v) / len(v) for v in (decode["in-process pool"], decode["daemon pool"]))
+    print(f"\ndecode step, {n} sequences: in-process pool {local * 1e3:.1f} ms, "
+          f"daemon pool {remote * 1e3:.1f} ms: "
+          f"daemon / in-process {remote / local:.3f} (target: 1.02 or less)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

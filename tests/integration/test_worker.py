@@ -1,0 +1,254 @@
+"""The compute worker as a real process on the default model, attached to a real daemon, over gRPC."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from memory_daemon.stats import PoolCounts
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.v1 import generation_pb2
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.default_model import default_model_dir
+from services.common.sampling import SamplingOptions
+from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
+
+Reason = generation_pb2.GenerateResponse.FinishReason
+
+
+class WorkerStream:
+    """One Connect stream, as a frontend holds it."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._requests: queue.Queue[worker_pb2.WorkerRequest | None] = queue.Queue()
+        self._responses = self.stub.Connect(iter(self._requests.get, None))
+
+    def submit(
+        self, request_id: str, prompt: list[int], options: SamplingOptions | worker_pb2.SamplingOptions
+    ) -> None:
+        sampling = options.to_pb() if isinstance(options, SamplingOptions) else options
+        submit = worker_pb2.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+        self._requests.put(worker_pb2.WorkerRequest(submit=[submit]))
+
+    def abort(self, request_id: str) -> None:
+        self._requests.put(worker_pb2.WorkerRequest(abort=[request_id]))
+
+    def next_outputs(self) -> list[worker_pb2.RequestOutput]:
+        return list(next(self._responses).outputs)
+
+    def collect(self, request_ids: set[str]) -> dict[str, list[worker_pb2.RequestOutput]]:
+        """Read until every request in request_ids has finished."""
+        outputs: dict[str, list[worker_pb2.RequestOutput]] = defaultdict(list)
+        pending = set(request_ids)
+        while pending:
+            for output in self.next_outputs():
+                outputs[output.request_id].append(output)
+                if output.finish_reason:
+                    pending.discard(output.request_id)
+        return outputs
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self.channel.close()
+
+
+def tokens(outputs: list[worker_pb2.RequestOutput]) -> list[int]:
+    return [token for output in outputs for token in output.token_ids]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return default_model_dir()  # converted once per machine, before any worker needs it
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path) -> Iterator[tuple[DaemonProcess, ServiceProcess]]:
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
+    daemon = start_daemon(run_dir)
+    worker = start_worker(run_dir, daemon.address, "--kv-memory", "256MiB", "--max-batched-tokens", "64")
+    yield daemon, worker
+    assert worker.stop() == 0, worker.log()
+    assert daemon.stop() == 0, daemon.log()
+    shutil.rmtree(daemon.shm_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def stream(stack: tuple[DaemonProcess, ServiceProcess]) -> Iterator[WorkerStream]:
+    connection = WorkerStream(stack[1].address)
+    yield connection
+    connection.close()
+
+
+def chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -> None:
+    """Poll the worker until no request runs and no page is in use."""
+    deadline = time.monotonic() + timeout_s
+    while (load := stub.GetLoad(worker_pb2.GetLoadRequest())).running or load.kv_pages_in_use:
+        assert time.monotonic() < deadline, f"the worker is still busy: {load}"
+        time.sleep(0.02)
+
+
+def pool_counts(daemon: DaemonProcess) -> PoolCounts:
+    with grpc.insecure_channel(daemon.address) as channel:
+        (pool,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
+    return PoolCounts.from_pb(pool)
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(
+    stream: WorkerStream, model_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    prompts = {
+        "short": chat(tokenizer, "Hi!"),
+        "france": chat(tokenizer, "What is the capital of France?"),
+        "long": chat(tokenizer, "Write a haiku about the sea. " * 6),  # over the 64-token budget: chunked
+    }
+    options = SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    for request_id, prompt in prompts.items():
+        stream.submit(request_id, prompt, options)
+    outputs = stream.collect(set(prompts))
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for request_id, prompt in prompts.items():
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        assert tokens(outputs[request_id]) == expected.sequences[0, len(prompt) :].tolist(), request_id
+        reference = torch.log_softmax(torch.cat(expected.logits).float(), dim=-1)
+        logprobs = [lp for output in outputs[request_id] for lp in output.logprobs]
+        for step, lp in enumerate(logprobs):
+            assert abs(lp.logprob - reference[step, lp.token_id].item()) < 1e-3
+            assert [top.token_id for top in lp.top] == reference[step].topk(3).indices.tolist()
+        last = outputs[request_id][-1]
+        assert (last.finish_reason, last.prompt_tokens) == (Reason.LENGTH, len(prompt))
+
+
+def test_abort_and_a_dropped_stream_return_every_page(
+    stack: tuple[DaemonProcess, ServiceProcess], stream: WorkerStream, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    daemon, worker = stack
+    long_run = SamplingOptions(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    stream.submit("endless", chat(tokenizer, "Count to a thousand."), long_run)
+    while not any(output.token_ids for output in stream.next_outputs()):
+        pass
+    stream.abort("endless")
+    finished = stream.collect({"endless"})["endless"][-1]
+    assert finished.finish_reason == Reason.ABORT
+    load = stream.stub.GetLoad(worker_pb2.GetLoadRequest())
+    assert (load.running, load.kv_pages_in_use) == (0, 0)
+
+    dropped = WorkerStream(worker.address)
+    dropped.submit("orphan", chat(tokenizer, "Count to a thousand."), long_run)
+    while not any(output.token_ids for output in dropped.next_outputs()):
+        pass
+    dropped.close()  # the frontend goes away mid-stream
+    wait_until_idle(stream.stub)
+    counts = pool_counts(daemon)
+    assert counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
+
+
+def test_bad_submits_get_errors_and_the_worker_keeps_serving(
+    stream: WorkerStream, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    good = SamplingOptions(max_tokens=4, temperature=0.0)
+    bad_sampling = worker_pb2.SamplingOptions(
+        max_tokens=4, temperature=-1.0, top_p=1.0, repetition_penalty=1.0
+    )
+    cases = {
+        "too-long": ([5] * 9000, good, "the prompt has 9000 tokens, but the model's context is 8192"),
+        "bad-token": ([5, 49152], good, "token id 49152 is outside the vocabulary (0..49151)"),
+        "empty": ([], good, "the prompt is empty"),
+        "bad-temperature": (
+            [5, 6],
+            bad_sampling,
+            "sampling.temperature must be between 0.0 and 100.0, got -1.0",
+        ),
+    }
+    for request_id, (prompt, options, _) in cases.items():
+        stream.submit(request_id, prompt, options)
+    outputs = stream.collect(set(cases))
+    for request_id, (_, _, message) in cases.items():
+        (output,) = outputs[request_id]
+        assert output.finish_reason == Reason.ABORT and message in output.error, output.error
+    stream.submit("fine", chat(tokenizer, "Hi"), good)
+    assert len(tokens(stream.collect({"fine"})["fine"])) == 4
+
+
+def test_a_duplicate_request_id_ends_the_stream(
+    stack: tuple[DaemonProcess, ServiceProcess], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    connection = WorkerStream(stack[1].address)
+    endless = SamplingOptions(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    connection.submit("twin", chat(tokenizer, "Hi"), endless)
+    connection.submit("twin", chat(tokenizer, "Hi"), endless)
+    with pytest.raises(grpc.RpcError) as caught:
+        connection.collect({"twin"})
+    connection.close()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request id 'twin' is already running on this stream" in caught.value.details()
+    with grpc.insecure_channel(stack[1].address) as channel:
+        wait_until_idle(worker_pb2_grpc.WorkerStub(channel))  # the first "twin" ended with its stream
+
+
+def test_health_info_and_load(stack: tuple[DaemonProcess, ServiceProcess], stream: WorkerStream) -> None:
+    health = health_pb2_grpc.HealthStub(stream.channel)
+    for service in ("", "pagedserve.worker.v1.Worker"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    info = stream.stub.GetInfo(worker_pb2.GetInfoRequest())
+    assert info.model_id.startswith("SmolLM2-135M-Instruct-")
+    assert (info.max_model_len, info.vocab_size, list(info.eos_token_ids)) == (8192, 49152, [2])
+    assert (info.dtype, info.device, info.page_size) == ("float32", "cpu", 16)
+    load = stream.stub.GetLoad(worker_pb2.GetLoadRequest())
+    assert load.kv_pages_total == pool_counts(stack[0]).total_pages
+
+
+def test_the_prefix_cache_outlives_a_worker_restart(
+    run_dir: Path, daemon: DaemonProcess, model_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    prompt = chat(tokenizer, "Tell me about the history of Paris. " * 8)
+    options = SamplingOptions(max_tokens=8, temperature=0.0)
+    first = start_worker(run_dir, daemon.address, "--kv-memory", "128MiB", name="first")
+    connection = WorkerStream(first.address)
+    connection.submit("p", prompt, options)
+    before = connection.collect({"p"})["p"]
+    connection.close()
+    first.kill()  # SIGKILL: no goodbye to the daemon
+    assert before[-1].cached_prompt_tokens == 0
+
+    second = start_worker(run_dir, daemon.address, "--kv-memory", "128MiB", name="second")
+    connection = WorkerStream(second.address)
+    connection.submit("p", prompt, options)
+    after = connection.collect({"p"})["p"]
+    connection.close()
+    assert second.stop() == 0
+    assert after[-1].cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
+    assert tokens(after) == tokens(before)
