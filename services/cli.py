@@ -8,21 +8,29 @@ import sys
 
 # subcommand -> (module with add_arguments and run, help)
 COMMANDS = {
+    "up": ("services.launcher", "run the whole stack: daemon, workers and frontend"),
     "daemon": ("memory_daemon.server", "run the KV memory daemon"),
     "worker": ("services.worker.server", "run a compute worker"),
+    "frontend": ("services.frontend.server", "run the public gRPC frontend"),
+    "generate": ("services.commands.generate", "stream an answer to a prompt"),
+    "chat": ("services.commands.chat", "chat with the model in the terminal"),
+    "health": ("services.commands.health", "check a server's grpc.health.v1 status"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="An LLM inference server over a shared paged KV pool."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        sub = commands.add_parser(name, help=help_text)
+        if argv and argv[0] == name:  # import only what the chosen command needs: torch is slow to load
+            module = importlib.import_module(module_name)
+            sub.description = module.__doc__
+            module.add_arguments(sub)
+            sub.set_defaults(run=module.run)
     args = parser.parse_args(argv)
     return args.run(args)
 

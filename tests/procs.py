@@ -1,12 +1,14 @@
-"""Real processes for tests: daemons and workers on unix sockets, pools in a private /dev/shm folder."""
+"""Real processes for tests: daemons, workers and whole stacks, on unix sockets and free ports."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +132,59 @@ class KVAgent:
         if "error" in reply:
             raise AssertionError(f"agent {self.name}: {reply['error']}")
         return reply["ok"]
+
+
+@dataclass
+class Stack:
+    """`pagedserve up` as a real process tree: its frontend address and the run folder of its sockets."""
+
+    proc: subprocess.Popen[bytes]
+    address: str
+    run_dir: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def worker_address(self, index: int = 0) -> str:
+        return f"unix:{self.run_dir}/worker-{index}.sock"
+
+    @property
+    def daemon_address(self) -> str:
+        return f"unix:{self.run_dir}/daemon.sock"
+
+    def survivors(self) -> list[str]:
+        """Processes still running whose command line names this stack's run folder."""
+        found = subprocess.run(["pgrep", "-af", str(self.run_dir)], capture_output=True, text=True)
+        return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_stack(run_dir: Path, *extra: str, timeout_s: float = 300) -> Stack:
+    """Start `pagedserve up` on a free port and wait until its frontend has a worker up."""
+    address = f"127.0.0.1:{free_port()}"
+    host, port = address.split(":")
+    command = [sys.executable, "-m", "services.cli", "up", "--host", host, "--port", port]
+    command += ["--run-dir", str(run_dir / "run"), *extra]
+    log_path = run_dir / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    stack = Stack(proc, address, run_dir / "run", log_path)
+    deadline = time.monotonic() + timeout_s
+    while "pagedserve is up on" not in stack.log():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stack.stop()
+            raise AssertionError(f"pagedserve up did not come up:\n{stack.log()}")
+        time.sleep(0.1)
+    wait_for_health(address, timeout_s=10, service="pagedserve.v1.Generation")
+    return stack

@@ -1,8 +1,9 @@
 """Domain errors, and the one interceptor that maps every exception to a gRPC status.
 
 Below the servicers, code raises plain exceptions: ValueError for bad input (INVALID_ARGUMENT), KeyError
-for an unknown name (NOT_FOUND), PermissionError for someone else's resource (PERMISSION_DENIED), and the
-two classes here where Python has no built-in. The interceptor turns each into a status whose message is
+for an unknown name (NOT_FOUND), PermissionError for someone else's resource (PERMISSION_DENIED),
+ConnectionError for a backend that is down (UNAVAILABLE), and the two classes here where Python has no
+built-in. The interceptor turns each into a status whose message is
 the exception's own, so the message must say what to change. Anything else is a bug: it becomes INTERNAL
 and is logged with its traceback.
 """
@@ -32,6 +33,7 @@ _STATUS_BY_EXCEPTION: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = 
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (ConnectionError, grpc.StatusCode.UNAVAILABLE),
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )

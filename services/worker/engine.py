@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import grpc
+
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
 from services.common.sampling import SamplingOptions
@@ -51,6 +53,7 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed the request
 
     def to_pb(self, request_id: str) -> worker_pb2.RequestOutput:
+        """As the Worker contract carries it; an engine failure is INTERNAL."""
         reason = self.finish_reason.name if self.finish_reason else "FINISH_REASON_UNSPECIFIED"
         return worker_pb2.RequestOutput(
             request_id=request_id,
@@ -60,6 +63,7 @@ class RequestOutput:
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
             error=self.error or "",
+            error_code=grpc.StatusCode.INTERNAL.value[0] if self.error else 0,
         )
 
 
@@ -167,7 +171,9 @@ class Engine:
             reason = self._stop_reason(seq, token)
             logprobs = [logprob] if logprob is not None else []
             if reason is None:
-                outputs.append(RequestOutput(seq.key, [token], logprobs))
+                outputs.append(
+                    RequestOutput(seq.key, [token], logprobs, None, seq.prompt_len, seq.cached_prompt_tokens)
+                )
             else:
                 self.scheduler.finish(seq, reason)
                 outputs.append(self._finished(seq, [token], logprobs))

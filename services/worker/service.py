@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _ABORT = generation_pb2.GenerateResponse.ABORT
+_REFUSED = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -101,7 +102,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if error:
                     refused.append(
                         worker_pb2.RequestOutput(
-                            request_id=submit.request_id, finish_reason=_ABORT, error=error
+                            request_id=submit.request_id,
+                            finish_reason=_ABORT,
+                            error=error,
+                            error_code=_REFUSED,
                         )
                     )
             if refused:

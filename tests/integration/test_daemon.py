@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -17,7 +16,7 @@ import pytest
 from memory_daemon.stats import PoolCounts
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from tests.integration.kv_agent import SHAPE
-from tests.procs import DaemonProcess, KVAgent, start_daemon
+from tests.procs import DaemonProcess, KVAgent, free_port, start_daemon
 
 
 @pytest.fixture
@@ -201,9 +200,7 @@ def test_a_daemon_removes_files_a_dead_daemon_left(run_dir: Path) -> None:
 
 
 def test_the_console_entry_point_serves_on_loopback_tcp(run_dir: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     entry = (str(Path(sys.executable).parent / "pagedserve"), "daemon")
     process = start_daemon(run_dir, address=f"127.0.0.1:{port}", entry=entry)
     try:

@@ -56,7 +56,7 @@ class WorkerRequest(_message.Message):
     def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "error")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "error", "error_code")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RequestOutput(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
@@ -71,7 +72,8 @@ class RequestOutput(_message.Message):
     prompt_tokens: int
     cached_prompt_tokens: int
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.GenerateResponse.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    error_code: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.GenerateResponse.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("outputs", "load")

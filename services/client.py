@@ -1,0 +1,79 @@
+"""A small Python client for pagedserve's public Generation service.
+
+    from services.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        for delta in client.stream("Tell me a joke", temperature=0.7, max_tokens=64):
+            print(delta.text, end="", flush=True)
+        answer = client.complete(messages=[{"role": "user", "content": "Hi!"}])
+
+Sampling keywords are the fields of pagedserve.v1.SamplingParams (max_tokens, temperature, top_p, top_k,
+min_p, repetition_penalty, presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos,
+logprobs). Errors come as grpc.RpcError with the server's status and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.common.rpc import CHANNEL_OPTIONS, wait_for_health
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    messages: Iterable[Mapping[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    **sampling: Any,
+) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt or "",
+        prompt_token_ids=token_ids or [],
+        messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
+        sampling=generation_pb2.SamplingParams(**sampling),
+        priority=priority,
+    )
+
+
+class Client:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout_s: float | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Block until the server reports a worker up; raise TimeoutError otherwise."""
+        wait_for_health(self.address, timeout_s, service="pagedserve.v1.Generation")
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[generation_pb2.GenerateResponse]:
+        """One GenerateResponse per step, with text and token deltas; the last has finish_reason and usage."""
+        yield from self._stub.Generate(generate_request(prompt, **kwargs), timeout=self.timeout_s)
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> generation_pb2.GenerateResponse:
+        return self._stub.Complete(generate_request(prompt, **kwargs), timeout=self.timeout_s)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        request = generation_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._stub.Tokenize(request, timeout=self.timeout_s).token_ids)
+
+    def model_info(self) -> generation_pb2.ModelInfo:
+        return self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self.timeout_s)

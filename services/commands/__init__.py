@@ -1,0 +1,34 @@
+"""The client commands of `pagedserve`: generate, chat and health."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from services.client import DEFAULT_ADDRESS
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the frontend (default: %(default)s)")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for the server to come up first",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int)  # fmt: skip
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    sampling: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+    }
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    return sampling

@@ -1,0 +1,22 @@
+"""The frontend's configuration: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    address: str = "127.0.0.1:50051"  # the public port; 0.0.0.0:50051 to serve other machines
+    workers: tuple[str, ...] = ("127.0.0.1:50053",)
+    model: str | None = None  # for the tokenizer and chat template; None means the default model
+    max_running: int = 256  # requests in workers at once
+    max_waiting: int = 1024  # requests queued behind them; more are refused with RESOURCE_EXHAUSTED
+    default_max_tokens: int = 256
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("the frontend needs at least one --worker")
+        if self.max_running < 1 or self.max_waiting < 0 or self.default_max_tokens < 1:
+            raise ValueError("max_running and default_max_tokens must be positive, max_waiting not negative")

@@ -1,0 +1,78 @@
+"""Incremental detokenization: UTF-8 safe text deltas, with stop strings held back and never emitted.
+
+tokenizers' DecodeStream yields a piece of text only once the bytes of a character are complete, so a
+multi-byte character split across tokens never comes out half. It is primed with the end of the prompt, so
+that the first generated token decodes as it would in context (a leading space, say); when the prompt ends
+inside a character, the decoder is primed up to the last whole character and fed the rest, and what the
+prompt already showed of that character is not repeated. The last len(longest stop string) - 1 characters
+stay held back until they can no longer begin a stop string; when several stop strings appear, the one
+completed first wins, as it would token by token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+PROMPT_CONTEXT = 6  # prompt tokens that prime the decoder
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._decoder, self._shown = self._primed(list(prompt_ids[-PROMPT_CONTEXT:]))
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._text = ""  # everything decoded so far
+        self._emitted = 0  # how much of it has gone out
+        self.stopped = False  # a stop string was found; the text ends before it
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._emitted]
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Decode new tokens; return the text that is safe to emit now."""
+        if self.stopped:
+            return ""
+        for token_id in token_ids:
+            piece = self._decoder.step(self._tokenizer, token_id)
+            if piece:
+                skipped = min(self._shown, len(piece))
+                self._shown -= skipped
+                self._text += piece[skipped:]
+        # A stop string starting before the emitted text would have been found by an earlier push.
+        found = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
+        if found:
+            self._text = self._text[: min(found)[1]]
+            self.stopped = True
+            return self.finish()
+        return self._release(len(self._text) - self._hold)
+
+    def finish(self) -> str:
+        """The request is over: release what was held back."""
+        return self._release(len(self._text))
+
+    def _primed(self, window: list[int]) -> tuple[DecodeStream, int]:
+        """A decoder primed with the prompt's last tokens, and how many characters of a character the prompt
+        left unfinished were already shown (a leading space, say)."""
+        whole = len(window)
+        while whole and self._decode(window[:whole]).endswith("\ufffd"):
+            whole -= 1
+        decoder = DecodeStream(window[:whole], skip_special_tokens=True)
+        for token_id in window[whole:]:
+            decoder.step(self._tokenizer, token_id)  # bytes of an unfinished character: nothing comes out
+        shown = len(self._decode(window).rstrip("\ufffd")) - len(self._decode(window[:whole]))
+        return decoder, shown
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _release(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self._text[self._emitted : end]
+        self._emitted = end
+        return delta

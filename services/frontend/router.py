@@ -1,0 +1,163 @@
+"""Workers as the frontend sees them: one multiplexed Connect stream each, and least-loaded routing.
+
+A WorkerLink keeps its stream open and reconnects with backoff when it breaks. Everything queued for
+sending while a call is in flight goes out as one WorkerRequest. Each request's outputs arrive on its own
+asyncio queue; when the worker goes away, every request it had gets WorkerDown at once, which the service
+answers with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.rpc import CHANNEL_OPTIONS
+from services.common.sampling import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+Output = worker_pb2.RequestOutput | ConnectionError
+
+
+class WorkerDown(ConnectionError):
+    """The worker serving a request went away mid-request."""
+
+
+class WorkerLink:
+    def __init__(self, address: str, model_id: str, on_change: Callable[[], None]) -> None:
+        self.address = address
+        self.model_id = model_id
+        self.up = False
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.load = worker_pb2.Load()
+        self._on_change = on_change
+        self._outbox: asyncio.Queue[worker_pb2.WorkerRequest] = asyncio.Queue()
+        self._requests: dict[str, asyncio.Queue[Output]] = {}
+        self._ids = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._requests)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"worker-link {self.address}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def submit(
+        self, prompt_ids: Sequence[int], options: SamplingOptions, priority: int
+    ) -> tuple[str, asyncio.Queue[Output]]:
+        if not self.up:
+            raise WorkerDown(f"worker {self.address} is down")
+        request_id = str(next(self._ids))
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        self._requests[request_id] = queue
+        submit = worker_pb2.Submit(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=options.to_pb(), priority=priority
+        )
+        self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit]))
+        return request_id, queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request the caller no longer wants; the worker frees its pages within a step."""
+        if self._requests.pop(request_id, None) is not None:
+            self._outbox.put_nowait(worker_pb2.WorkerRequest(abort=[request_id]))
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            reason = "not reachable"
+            try:
+                await self._session()
+                reason = "the stream ended"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            if self.up:
+                log.warning("worker %s went away: %s", self.address, reason)
+                backoff = 0.05
+            self._set_down(reason)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def _session(self) -> None:
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            self.info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+            if self.info.model_id != self.model_id:
+                log.error(
+                    "worker %s serves %s, not %s; not routing to it",
+                    self.address,
+                    self.info.model_id,
+                    self.model_id,
+                )
+                await asyncio.sleep(5)
+                return
+            self._outbox = asyncio.Queue()
+            call = stub.Connect(self._outgoing())
+            self.up = True
+            log.info("worker %s (%s) is up", self.address, self.info.worker_name)
+            self._on_change()
+            async for message in call:
+                self.load = message.load
+                for output in message.outputs:
+                    queue = self._requests.get(output.request_id)
+                    if queue is None:
+                        continue  # aborted by the frontend: its last outputs are not wanted
+                    if output.finish_reason:
+                        del self._requests[output.request_id]
+                    queue.put_nowait(output)
+
+    async def _outgoing(self) -> AsyncIterator[worker_pb2.WorkerRequest]:
+        while True:
+            batch = [await self._outbox.get()]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get_nowait())
+            yield worker_pb2.WorkerRequest(
+                submit=[s for request in batch for s in request.submit],
+                abort=[a for request in batch for a in request.abort],
+            )
+
+    def _set_down(self, reason: str) -> None:
+        was_up, self.up = self.up, False
+        for queue in self._requests.values():
+            queue.put_nowait(
+                WorkerDown(f"the worker at {self.address} went away mid-request ({reason}); retry")
+            )
+        self._requests.clear()
+        if was_up:
+            self._on_change()
+
+
+class Router:
+    def __init__(self, addresses: Sequence[str], model_id: str, on_change: Callable[[], None]) -> None:
+        if not addresses:
+            raise ValueError("the frontend needs at least one worker address")
+        self.links = [WorkerLink(address, model_id, on_change) for address in addresses]
+
+    @property
+    def any_up(self) -> bool:
+        return any(link.up for link in self.links)
+
+    def start(self) -> None:
+        for link in self.links:
+            link.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(link.stop() for link in self.links))
+
+    def pick(self) -> WorkerLink:
+        """The least-loaded worker that is up: fewest requests of ours in flight, then most free pages."""
+        up = [link for link in self.links if link.up]
+        if not up:
+            addresses = ", ".join(link.address for link in self.links)
+            raise ConnectionError(f"no worker is up (tried {addresses}); start one with `pagedserve worker`")
+        return min(up, key=lambda link: (link.outstanding, link.load.kv_pages_in_use))

@@ -1,0 +1,176 @@
+"""`pagedserve up`: the daemon, the workers and the frontend as separate OS processes on this machine.
+
+Internal services talk over unix sockets in a private run folder; only the frontend listens on TCP. Each
+child starts only after the one it needs reports SERVING through grpc.health.v1, and every line a child
+prints comes out prefixed with its name. Ctrl-C or SIGTERM drains the frontend, then stops the workers and
+the daemon; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG), so none is orphaned. If a
+child dies, the launcher says which one and why, and stops the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.rpc import wait_for_health
+from services.common.sizes import parse_bytes
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    address: str
+
+    def exit_reason(self) -> str:
+        code = self.proc.returncode
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
+class Launcher:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.children: list[Child] = []
+        self._print_lock = threading.Lock()
+
+    def start(
+        self, name: str, args: list[str], address: str, health_service: str = "", timeout_s: float = 600
+    ) -> Child:
+        command = [sys.executable, "-m", "services.cli", *args]
+        # A session of its own: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
+        child = Child(name, proc, address)
+        self.children.append(child)
+        threading.Thread(target=self._relay, args=(child,), name=f"log-{name}", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.first_dead()  # this child, or one started before it
+            if dead is not None:
+                raise ChildDied(dead)
+            try:
+                wait_for_health(address, timeout_s=1.0, service=health_service)
+                return child
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not report SERVING within {timeout_s:.0f}s") from None
+
+    def say(self, message: str) -> None:
+        with self._print_lock:
+            print(f"{'up':>9} | {message}", flush=True)
+
+    def first_dead(self) -> Child | None:
+        return next((child for child in self.children if child.proc.poll() is not None), None)
+
+    def stop_all(self, timeout_s: float = 20.0) -> None:
+        """Stop in reverse order of start: the frontend drains first, the daemon goes last."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+                try:
+                    child.proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.say(f"{child.name} did not stop within {timeout_s:.0f}s; killing it")
+                    child.proc.kill()
+                    child.proc.wait()
+
+    def _relay(self, child: Child) -> None:
+        assert child.proc.stdout is not None
+        for raw in child.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            with self._print_lock:
+                print(f"{child.name:>9} | {line}", flush=True)
+
+
+class ChildDied(RuntimeError):
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        super().__init__(f"{child.name} {child.exit_reason()}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="the frontend's host (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50051, help="the frontend's port; 0 picks a free one")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1, help="compute workers sharing the pool")
+    parser.add_argument(
+        "--kv-memory", type=parse_bytes, default=2**30, help="the KV pool's size (default: 1GiB)"
+    )
+    parser.add_argument("--max-batched-tokens", type=int)
+    parser.add_argument(
+        "--run-dir", type=Path, help="where the internal unix sockets go (default: a new temp dir)"
+    )
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pagedserve-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(run_dir)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    address = f"{args.host}:{args.port or _free_port(args.host)}"
+    try:
+        _start_stack(launcher, args, address)
+        launcher.say(f"pagedserve is up on {address} with {args.workers} worker(s); Ctrl-C stops it")
+        while not stop.wait(0.2):
+            dead = launcher.first_dead()
+            if dead is not None:
+                raise ChildDied(dead)
+        launcher.say("stopping: the frontend drains first")
+        return 0
+    except (ChildDied, TimeoutError) as exc:
+        launcher.say(f"{exc}; stopping the rest")
+        return 1
+    finally:
+        launcher.stop_all()
+        if args.run_dir is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> None:
+    common = ["--log-level", args.log_level]
+    model = ["--model", args.model] if args.model else []
+    daemon_address = f"unix:{launcher.run_dir}/daemon.sock"
+    launcher.start(
+        "daemon", ["daemon", "--address", daemon_address, "--device", args.device, *common], daemon_address
+    )
+    frontend = ["frontend", "--address", address, *model, *common]
+    for i in range(args.workers):
+        worker_address = f"unix:{launcher.run_dir}/worker-{i}.sock"
+        worker = ["worker", "--name", f"worker-{i}", "--address", worker_address, "--daemon", daemon_address]
+        worker += ["--device", args.device, "--kv-memory", str(args.kv_memory), *model, *common]
+        if args.max_batched_tokens:
+            worker += ["--max-batched-tokens", str(args.max_batched_tokens)]
+        launcher.start(f"worker-{i}", worker, worker_address)
+        frontend += ["--worker", worker_address]
+    launcher.start("frontend", frontend, address, health_service="pagedserve.v1.Generation")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

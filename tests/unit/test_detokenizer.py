@@ -1,0 +1,330 @@
+"""TextStream against the real SmolLM2 tokenizer (byte-level BPE): UTF-8 safe deltas, stop strings, priming.
+
+The reference for every stream is the tokenizer's own one-shot decode of the same ids, with special tokens
+skipped. Texts with Chinese, Japanese, emoji and some accented letters are chosen because their characters
+are split across several byte tokens, so a naive token-by-token decode would emit U+FFFD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.common.default_model import default_model_dir
+from services.frontend.detokenizer import PROMPT_CONTEXT, TextStream
+
+REPLACEMENT = "\ufffd"
+EOS_ID = 2  # <|im_end|>
+IM_START_ID = 1  # <|im_start|>
+ENDOFTEXT_ID = 0  # <|endoftext|>
+
+ASCII = "Hello, world! This is plain ASCII text."
+LATIN = "Zürich façade, crème brûlée, naïve résumé"
+LATIN_SPLIT = "Ångström Øresund Łódź señor"  # Å, Ø, Ł and ź are split across tokens
+CHINESE = "你好\uff0c世界\uff01机器学习很有趣。"  # with a full-width comma and exclamation mark
+JAPANESE = "こんにちは、世界。ありがとう"
+EMOJI = "🎉🚀👍🏽 party 👨\u200d👩\u200d👧"
+MIXED = "héllo 世界 🎉 naïve こんにちは"
+
+TEXTS = [ASCII, LATIN, LATIN_SPLIT, CHINESE, JAPANESE, EMOJI, MIXED]
+SPLIT_TEXTS = [LATIN_SPLIT, CHINESE, JAPANESE, EMOJI, MIXED]
+
+
+# Fixtures and helpers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    return tokenizer.backend_tokenizer
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def chunks(ids: Sequence[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(ids), size):
+        yield list(ids[start : start + size])
+
+
+def feed(
+    backend: Tokenizer,
+    ids: Sequence[int],
+    *,
+    prompt: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    chunk: int = 1,
+) -> tuple[list[str], TextStream]:
+    """Push ids in chunks of `chunk`, then finish; return every delta (finish's last) and the stream."""
+    stream = TextStream(backend, prompt, stop)
+    deltas = [stream.push(part) for part in chunks(ids, chunk)]
+    deltas.append(stream.finish())
+    return deltas, stream
+
+
+# UTF-8 safety ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", SPLIT_TEXTS)
+def test_inputs_split_characters_across_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
+    ids = encode(tokenizer, text)
+    singles = [decode(tokenizer, [token]) for token in ids]
+    assert any(REPLACEMENT in piece for piece in singles), singles
+    assert decode(tokenizer, ids) == text  # the round trip itself is exact
+
+
+def test_plain_inputs_do_not_split(tokenizer: PreTrainedTokenizerBase) -> None:
+    for text in (ASCII, LATIN):
+        assert not any(REPLACEMENT in decode(tokenizer, [token]) for token in encode(tokenizer, text))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_is_utf8_safe_and_complete(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, text: str
+) -> None:
+    ids = encode(tokenizer, text)
+    deltas, stream = feed(backend, ids)
+    assert [d for d in deltas if REPLACEMENT in d] == []
+    assert "".join(deltas) == decode(tokenizer, ids) == text
+    assert stream.text == text
+    assert stream.stopped is False
+    assert deltas[-1] == ""  # nothing is held back without stop strings
+
+
+def test_split_character_comes_out_whole_with_its_last_token(backend: Tokenizer) -> None:
+    # "世界" is five byte tokens here: 7906 (E4 B8) and 240 (96) make "世"; 178, 239, 230 make "界".
+    stream = TextStream(backend, [])
+    assert [stream.push([token]) for token in (7906, 240, 178, 239, 230)] == ["", "世", "", "", "界"]
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 7, 1000])
+@pytest.mark.parametrize("text", [MIXED, EMOJI, JAPANESE])
+def test_chunk_size_does_not_change_the_text(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, text: str, size: int
+) -> None:
+    ids = encode(tokenizer, text)
+    deltas, _ = feed(backend, ids, chunk=size)
+    assert [d for d in deltas if REPLACEMENT in d] == []
+    assert "".join(deltas) == text
+
+
+def test_empty_push_returns_nothing(backend: Tokenizer) -> None:
+    stream = TextStream(backend, [])
+    assert stream.push([]) == ""
+    assert stream.finish() == ""
+    assert stream.text == ""
+
+
+# Special tokens -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("special", [EOS_ID, IM_START_ID, ENDOFTEXT_ID])
+def test_special_token_alone_gives_no_text(backend: Tokenizer, special: int) -> None:
+    stream = TextStream(backend, [IM_START_ID])
+    assert stream.push([special]) == ""
+    assert stream.finish() == ""
+
+
+def test_special_tokens_inside_the_output_are_skipped(tokenizer: PreTrainedTokenizerBase) -> None:
+    backend = tokenizer.backend_tokenizer
+    ids = [*encode(tokenizer, "Hi 世界"), EOS_ID, IM_START_ID, *encode(tokenizer, " there 🎉"), EOS_ID]
+    deltas, _ = feed(backend, ids)
+    assert "".join(deltas) == decode(tokenizer, ids) == "Hi 世界 there 🎉"
+    assert all("<|" not in d for d in deltas)
+
+
+# Stop strings ---------------------------------------------------------------------------------------------
+
+
+def assert_stopped_before(deltas: list[str], stream: TextStream, stop: Sequence[str], expected: str) -> None:
+    total = "".join(deltas)
+    assert total == expected
+    assert stream.text == expected
+    assert stream.stopped is True
+    for s in stop:
+        assert all(s not in d for d in deltas)
+        assert s not in total
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        # one token
+        ("Hello, world! Goodbye, world!", "!", "Hello, world"),
+        # several tokens: ',' + ' world'
+        ("Hello, world! Goodbye, world!", ", world", "Hello"),
+        # several tokens, starting inside one: 'bye' + ',' + ' world'
+        ("Hello, world! Goodbye, world!", "ye, wor", "Hello, world! Goodb"),
+        # multi-byte stops whose characters are split across byte tokens
+        (MIXED, "世界", "héllo "),
+        (MIXED, "🎉", "héllo 世界 "),
+        (MIXED, "こんにちは", "héllo 世界 🎉 naïve "),
+        (MIXED, "ï", "héllo 世界 🎉 na"),
+        (EMOJI, "👍🏽", "🎉🚀"),
+        # at the very start
+        (MIXED, "hé", ""),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 2, 3, 1000])
+def test_stop_string_is_cut_before_and_never_emitted(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, text: str, stop: str, expected: str, size: int
+) -> None:
+    deltas, stream = feed(backend, encode(tokenizer, text), stop=[stop], chunk=size)
+    assert_stopped_before(deltas, stream, [stop], expected)
+
+
+@pytest.mark.parametrize("stop", [("Goodbye", "world"), ("world", "Goodbye")])
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_earliest_of_two_stop_strings_wins(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, stop: tuple[str, str], size: int
+) -> None:
+    ids = encode(tokenizer, "Hello, world! Goodbye, world!")
+    deltas, stream = feed(backend, ids, stop=stop, chunk=size)
+    assert_stopped_before(deltas, stream, stop, "Hello, ")
+
+
+def test_nothing_comes_out_after_a_stop(tokenizer: PreTrainedTokenizerBase, backend: Tokenizer) -> None:
+    ids = encode(tokenizer, "Hello, world! Goodbye")
+    stream = TextStream(backend, [], ["!"])
+    out = [stream.push([token]) for token in ids]
+    assert "".join(out) == "Hello, world"
+    assert stream.stopped is True
+    assert stream.push(encode(tokenizer, " more text")) == ""
+    assert stream.finish() == ""
+    assert stream.text == "Hello, world"
+
+
+def test_prefix_of_a_stop_string_is_held_then_released_at_finish(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer
+) -> None:
+    ids = encode(tokenizer, "Say Hello wor")  # 'Say', ' Hello', ' wor'
+    stream = TextStream(backend, [], ["world!"])  # holds back len("world!") - 1 = 5 characters
+    pushed = [stream.push([token]) for token in ids]
+    assert pushed == ["", "Say ", "Hell"]
+    assert stream.text == "Say Hell"
+    assert stream.finish() == "o wor"
+    assert stream.stopped is False
+    assert stream.text == "Say Hello wor"
+
+
+def test_multibyte_prefix_of_a_stop_string_is_released_at_finish(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer
+) -> None:
+    ids = encode(tokenizer, "héllo 世界 🎉")
+    deltas, stream = feed(backend, ids, stop=["🎉🚀"])
+    assert "".join(deltas[:-1]) == "héllo 世界 "
+    assert deltas[-1] == "🎉"
+    assert stream.stopped is False
+
+
+def test_without_stop_strings_every_push_returns_all_it_can(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer
+) -> None:
+    ids = encode(tokenizer, "Hello, world! Goodbye, world!")
+    stream = TextStream(backend, [])
+    assert [stream.push([token]) for token in ids] == [decode(tokenizer, [token]) for token in ids]
+    assert stream.finish() == ""
+
+
+def test_empty_stop_strings_are_ignored(tokenizer: PreTrainedTokenizerBase, backend: Tokenizer) -> None:
+    ids = encode(tokenizer, "Hello, world!")
+    stream = TextStream(backend, [], ["", ""])
+    assert [stream.push([token]) for token in ids] == ["Hello", ",", " world", "!"]
+    assert stream.stopped is False
+
+
+def test_overlapping_stops_do_not_depend_on_chunking(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer
+) -> None:
+    # When one push completes several stop strings, the one completed first wins, as token by token: "d"
+    # completes at "abcd" (text "abc") before "bcd ab", although "bcd ab" starts earlier. Otherwise the same
+    # tokens would give different text depending on how the worker batched them.
+    ids = encode(tokenizer, "abcd abcd")  # 'ab', 'cd', ' ab', 'cd'
+    stop = ["bcd ab", "d"]
+    one_by_one, _ = feed(backend, ids, stop=stop, chunk=1)
+    assert "".join(one_by_one) == "abc"
+    for size in (2, 3, 4):
+        deltas, stream = feed(backend, ids, stop=stop, chunk=size)
+        assert ("".join(deltas), stream.stopped) == ("abc", True), f"chunks of {size}"
+
+
+# Priming with the prompt ----------------------------------------------------------------------------------
+
+
+def in_context(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int], output: Sequence[int]) -> str:
+    """The output's text as a one-shot decode of prompt + output shows it."""
+    whole = decode(tokenizer, [*prompt, *output])
+    before = decode(tokenizer, prompt)
+    assert whole.startswith(before)
+    return whole[len(before) :]
+
+
+@pytest.mark.parametrize(
+    ("prompt_text", "output_text"),
+    [
+        ("The capital of France is", " Paris, of course."),
+        ("A long prompt with more than six tokens before the answer:", " 世界 🎉 done"),
+        ("Say it in Japanese:", "こんにちは"),
+        ("🎉🚀 hi", " 👍🏽!"),  # the priming window starts inside the 🎉 character
+    ],
+)
+def test_first_token_decodes_as_in_context(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, prompt_text: str, output_text: str
+) -> None:
+    prompt = encode(tokenizer, prompt_text)
+    output = encode(tokenizer, output_text)
+    deltas, _ = feed(backend, output, prompt=prompt)
+    first = next(d for d in deltas if d)
+    first_whole = next(
+        piece
+        for n in range(1, len(output) + 1)
+        if (piece := in_context(tokenizer, prompt, output[:n])) and not piece.endswith(REPLACEMENT)
+    )
+    assert first == first_whole
+    assert "".join(deltas) == in_context(tokenizer, prompt, output) == output_text
+
+
+def test_priming_window_starting_inside_a_character(tokenizer: PreTrainedTokenizerBase) -> None:
+    prompt = encode(tokenizer, "🎉🚀 hi")  # 7 tokens: the last 6 start with a continuation byte of 🎉
+    assert len(prompt) == PROMPT_CONTEXT + 1
+    assert decode(tokenizer, prompt[-PROMPT_CONTEXT:]).startswith(REPLACEMENT)
+    deltas, _ = feed(tokenizer.backend_tokenizer, encode(tokenizer, " ok 世界"), prompt=prompt)
+    assert deltas[0] == " ok"
+    assert "".join(deltas) == " ok 世界"
+
+
+def test_chat_prompt_primes_the_stream(tokenizer: PreTrainedTokenizerBase, backend: Tokenizer) -> None:
+    chat = [{"role": "user", "content": "Say hi"}]
+    prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
+    output = [*encode(tokenizer, "Hi! 👋"), EOS_ID]
+    deltas, _ = feed(backend, output, prompt=prompt)
+    assert "".join(deltas) == in_context(tokenizer, prompt, output) == "Hi! 👋"
+
+
+@pytest.mark.parametrize("cut", [5, 7, 11])
+def test_prompt_ending_inside_a_character(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, cut: int
+) -> None:
+    # prompt_token_ids may end in the middle of a character (a continuation of an output cut at max_tokens,
+    # say). Priming DecodeStream with that whole prefix would re-emit prompt text or a stray U+FFFD once the
+    # character completes; the output must start with the completed character and never repeat what the
+    # prompt showed.
+    ids = encode(tokenizer, "héllo 世界 🎉")
+    prompt, output = ids[:cut], ids[cut:]
+    shown = decode(tokenizer, prompt)
+    assert shown.endswith(REPLACEMENT)  # the prompt really ends inside a character
+    expected = decode(tokenizer, ids)[len(shown.rstrip(REPLACEMENT)) :]
+    deltas, _ = feed(backend, output, prompt=prompt)
+    assert "".join(deltas) == expected
