@@ -30,6 +30,12 @@ class AttentionMetadata:
     # Host copies of the two above, so that the torch path never waits on the device to read them.
     seq_lens_host: tuple[int, ...]
     query_start_host: tuple[int, ...]
+    # For kernels that give each prefill token its own thread of work: its sequence's row in block_tables
+    # and its position, [T - num_decodes] int64 each.
+    prefill_seq: torch.Tensor
+    prefill_pos: torch.Tensor
+    # An upper bound of the decodes' seq_lens: CUDA graphs fix it at the context length.
+    decode_max_len: int
 
     @property
     def num_seqs(self) -> int:
@@ -59,15 +65,17 @@ class KernelBackend(Protocol):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm of x [T, H], after adding residual [T, H] when given.
+        """RMSNorm over the last dim of x ([T, H], or [T, heads, D] for per-head norms), after adding
+        residual (shaped like x) when given.
 
-        Returns (normed, the new residual): the sum x + residual, or x itself when residual is None.
+        Returns (normed, the new residual): the sum x + residual, which may be written into residual, or x
+        itself when residual is None.
         """
 
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] by position (half-split, "neox" style).
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] by position (half-split, "neox" style); may work in place.
 
         cos_sin [max_positions, 2, D] holds cos and sin of every position, repeated over both halves.
         """

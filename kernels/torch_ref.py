@@ -21,8 +21,16 @@ class TorchBackend:
         self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         slots = kv_layer.view(2, -1, *kv_layer.shape[3:])  # [2, P * B, Hkv, D]
-        slots[0].index_copy_(0, slot_mapping, k)
-        slots[1].index_copy_(0, slot_mapping, v)
+        if not kv_layer.is_cuda and not bool((slot_mapping < 0).any()):  # a free check on the CPU
+            slots[0].index_copy_(0, slot_mapping, k)
+            slots[1].index_copy_(0, slot_mapping, v)
+            return
+        # Padding rows (slot -1, from CUDA graphs) write slot 0 back unchanged: it is the null page's, and no
+        # token lives there. No host sync, so this can be captured too.
+        keep = (slot_mapping >= 0)[:, None, None]
+        safe = slot_mapping.clamp(min=0)
+        for half, new in ((slots[0], k), (slots[1], v)):
+            half.index_copy_(0, safe, torch.where(keep, new, half.index_select(0, safe)))
 
     def paged_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -77,9 +85,11 @@ class TorchBackend:
     ) -> torch.Tensor:
         seqs, q_heads, head_dim = q.shape
         page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-        longest = max(meta.seq_lens_host[: meta.num_decodes])
-        k, v = self._gather(kv_layer, block_tables[:, : -(-longest // page_size)])  # [S, L, Hkv, D]
+        k, v = self._gather(
+            kv_layer, block_tables[:, : -(-meta.decode_max_len // page_size)]
+        )  # [S, L, Hkv, D]
         valid = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # [S, L]
+        _zero_stale_tail(k, v, seq_lens, page_size)
         # One query token each: the query heads that share a KV head form a short "sequence" of queries
         # against it, which needs no GQA expansion of K and V.
         out = F.scaled_dot_product_attention(
@@ -110,6 +120,22 @@ class TorchBackend:
             causal = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [n, L]
             out = F.scaled_dot_product_attention(queries, k, v, attn_mask=causal, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(n, q_heads, head_dim)
+
+
+def _zero_stale_tail(k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    """Zero the slots of each sequence's last page past its end, in gathered K and V [S, L, Hkv, D].
+
+    They hold whatever an earlier owner of the page wrote, and a softmax mask alone lets a stale inf or NaN
+    through (0 * NaN). Pages further on are the null page, which stays zero. Only S pages are touched, with
+    no host sync.
+    """
+    seqs = k.shape[0]
+    last = (seq_lens - 1) // page_size  # each sequence's last page, as an index into its table
+    stale = torch.arange(page_size, device=k.device) >= (seq_lens - last * page_size)[:, None]  # [S, B]
+    rows = torch.arange(seqs, device=k.device)
+    for gathered in (k, v):
+        pages = gathered.view(seqs, -1, page_size, *gathered.shape[2:])
+        pages[rows, last] = pages[rows, last].masked_fill(stale[:, :, None, None], 0.0)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the frontend's host (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="the frontend's port; 0 picks a free one")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the workers' dtype: auto is float32 on the CPU, bfloat16 on CUDA",
+    )
     parser.add_argument("--workers", type=int, default=1, help="compute workers sharing the pool")
     parser.add_argument(
         "--kv-memory", type=parse_bytes, default=2**30, help="the KV pool's size (default: 1GiB)"
@@ -162,7 +168,16 @@ def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> 
     for i in range(args.workers):
         worker_address = f"unix:{launcher.run_dir}/worker-{i}.sock"
         worker = ["worker", "--name", f"worker-{i}", "--address", worker_address, "--daemon", daemon_address]
-        worker += ["--device", args.device, "--kv-memory", str(args.kv_memory), *model, *common]
+        worker += [
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--kv-memory",
+            str(args.kv_memory),
+            *model,
+            *common,
+        ]
         if args.max_batched_tokens:
             worker += ["--max-batched-tokens", str(args.max_batched_tokens)]
         launcher.start(f"worker-{i}", worker, worker_address)

@@ -1,4 +1,5 @@
-"""Small random Hugging Face models of every family the worker runs, saved as real model folders.
+"""Small random Hugging Face models of every family the worker runs, saved as real model folders with
+tokenizers of their own.
 
 Random weights make near-ties in the logits, where a rounding difference flips the argmax. The weights here
 are drawn wider than transformers' initializer and every norm and bias is randomized (transformers starts
@@ -10,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -53,10 +56,14 @@ FAMILIES: dict[str, PretrainedConfig] = {
 }
 
 
-def make_model(family: str, folder: Path, seed: int = 0) -> Path:
-    """Save a random model of the family into folder (config.json and model.safetensors)."""
+def make_model(family: str, folder: Path, seed: int = 0, **overrides: object) -> Path:
+    """Save a random model of the family, and a tokenizer for it, into folder.
+
+    overrides change the family's config (e.g. hidden_size, num_attention_heads for a head dim of 64).
+    """
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family])
+    config = FAMILIES[family].__class__.from_dict({**FAMILIES[family].to_dict(), **overrides})
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -66,4 +73,39 @@ def make_model(family: str, folder: Path, seed: int = 0) -> Path:
             else:
                 param.normal_(0.0, 0.15)
     model.save_pretrained(folder)
+    make_tokenizer(folder, config.vocab_size)
     return folder
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with exactly vocab_size tokens (ids 0, 1, 2: pad, bos, eos), and a chat
+    template, trained in a few milliseconds on a sentence or two."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.add_tokens(
+        [f"<extra_{i}>" for i in range(vocab_size - len(fast))]
+    )  # every id the model emits decodes
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Hello world! Paris is the capital of France. "
+    "héllo 世界 🎉 naïve café. Once upon a time, in a land far away, there lived a curious cat."
+)

@@ -40,6 +40,11 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
         slots += [pages[p // page_size] * page_size + p % page_size for p in range(item.start, end)]
         seq_lens.append(end)
         query_start.append(query_start[-1] + item.count)
+    prefill_seq: list[int] = []
+    prefill_pos: list[int] = []
+    for row, item in enumerate(ordered[num_decodes:], start=num_decodes):
+        prefill_seq += [row] * item.count
+        prefill_pos += range(item.start, item.start + item.count)
     width = max(len(item.seq.pages) for item in ordered)
     tables = [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in ordered]
     sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
@@ -55,6 +60,9 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
         num_decodes=num_decodes,
         seq_lens_host=tuple(seq_lens),
         query_start_host=tuple(query_start),
+        prefill_seq=tensor(prefill_seq),
+        prefill_pos=tensor(prefill_pos),
+        decode_max_len=max(seq_lens[:num_decodes], default=0),
     )
     return ForwardBatch(
         items=ordered,

@@ -25,6 +25,8 @@ class WorkerConfig:
     kv_memory_bytes: int = 2**30  # the pool's size, when this worker creates it
     page_size: int = 16
     threads: int = 0  # torch threads; 0 keeps torch's default
+    kernels: Literal["auto", "torch", "cupy"] = "auto"  # auto: the CuPy kernels on CUDA, torch on the CPU
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -34,6 +36,14 @@ class WorkerConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.page_size not in (8, 16, 32):
             raise ValueError(f"page_size must be 8, 16 or 32, got {self.page_size}")
+        if self.kernels == "cupy" and self.device == "cpu":
+            raise ValueError("the CuPy kernels need --device cuda")
+
+    @property
+    def kernel_backend(self) -> Literal["torch", "cupy"]:
+        if self.kernels == "auto":
+            return "torch" if self.device == "cpu" else "cupy"
+        return self.kernels
 
     @property
     def torch_dtype(self) -> torch.dtype:

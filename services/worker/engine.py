@@ -20,6 +20,7 @@ from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
 from services.common.sampling import SamplingOptions
 from services.worker.batch import build_batch
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv import KVCache
 from services.worker.models import CausalLM
 from services.worker.sampler import TokenLogprob, sample
@@ -74,8 +75,10 @@ class Engine:
         kv: KVCache,
         config: EngineConfig,
         on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs
         self.kv = kv
         self.config = config
         self.scheduler = Scheduler(
@@ -156,9 +159,11 @@ class Engine:
         if not plan.items:
             return outputs
         batch = build_batch(plan.items, self.kv.page_size, self.model.device)
-        logits = self.model.forward(
-            batch.input_ids, batch.positions, batch.meta, self.kv.kv, batch.logits_indices
-        )
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # a prefill, a batch larger than any graph, or no graphs
+            logits = self.model.forward(
+                batch.input_ids, batch.positions, batch.meta, self.kv.kv, batch.logits_indices
+            )
         samples = sample(logits, [item.seq for item in batch.sampling])
         self.steps += 1
         self.last_batch = (batch.num_tokens, len(batch.sampling))

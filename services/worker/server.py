@@ -19,6 +19,7 @@ from services.common.logs import setup_logging
 from services.common.rpc import start_server
 from services.common.sizes import parse_bytes
 from services.worker.config import WorkerConfig
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.engine import Engine, EngineConfig
 from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache
 from services.worker.models import CausalLM
@@ -34,7 +35,11 @@ class LoadedWorker:
     info: worker_pb2.WorkerInfo
 
 
-def kernel_backend(device: torch.device) -> KernelBackend:
+def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
+    if config.kernel_backend == "cupy":
+        from kernels.cupy_backend import CupyBackend
+
+        return CupyBackend(device)
     return TorchBackend()
 
 
@@ -45,7 +50,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     model_dir = resolve_model(config.model)
     device = torch.device(config.device)
     model = CausalLM.from_pretrained(
-        model_dir, dtype=config.torch_dtype, device=device, backend=kernel_backend(device)
+        model_dir, dtype=config.torch_dtype, device=device, backend=kernel_backend(config, device)
     )
     spec = model.spec
     model_id = config.model_id or model_identity(model_dir)
@@ -79,7 +84,11 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         page_size=config.page_size,
         worker_name=config.name,
     )
-    return LoadedWorker(Engine(model, kv, config.engine), info)
+    graphs = None
+    if device.type == "cuda" and config.cuda_graphs:
+        graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
+        graphs.capture()
+    return LoadedWorker(Engine(model, kv, config.engine, graphs=graphs), info)
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -137,6 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "cupy"],
+        default="auto",
+        help="attention and fused kernels: auto takes CuPy's on CUDA, torch's on the CPU",
+    )
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
 
@@ -152,6 +168,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_memory_bytes=args.kv_memory,
         page_size=args.page_size,
         threads=args.threads,
+        kernels=args.kernels,
+        cuda_graphs=not args.no_cuda_graphs,
         engine=EngineConfig(
             max_batched_tokens=args.max_batched_tokens,
             max_num_seqs=args.max_num_seqs,

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
+from tests.models import make_model
 from tests.procs import Stack, free_port, start_service, start_stack
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
@@ -133,3 +136,28 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
     order = [i for i, line in enumerate(lines) if "shutting down" in line]
     assert "stopping: the frontend drains first" in stack.log()
     assert [lines[i].split("|")[0].strip() for i in order] == ["frontend", "worker-0", "daemon"]
+
+
+def test_a_random_qwen3_model_through_the_whole_stack(tmp_path: Path) -> None:
+    model_dir = make_model("qwen3-qknorm", tmp_path / "model")
+    stack = start_stack(tmp_path, "--model", str(model_dir), "--kv-memory", "64MiB")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            for length in (3, 40):
+                prompt = list(range(5, 5 + length))
+                reply = stub.Complete(
+                    generate_request(token_ids=prompt, max_tokens=16, ignore_eos=True, temperature=0.0)
+                )
+                expected = hf.generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, length, dtype=torch.long),
+                    max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                )[0, length:].tolist()  # fmt: skip
+                assert list(reply.token_ids) == expected
+            chat = stub.Complete(
+                generate_request(messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+            )
+            assert chat.usage.completion_tokens >= 1
+    finally:
+        assert stack.stop() == 0

@@ -1,0 +1,55 @@
+// Shared by every kernel: the element type and its conversions, and warp reductions.
+//
+// NVRTC compiles these sources with no CUDA headers, so 16-bit types travel as raw bits (CuPy has no
+// bfloat16) and convert through float with PTX: cvt.rn rounds to nearest even, as torch does.
+// Each source is compiled once per element type, chosen with -DDTYPE_F32, -DDTYPE_F16 or -DDTYPE_BF16.
+
+#if defined(DTYPE_F32)
+typedef float scalar_t;
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float from_float(float x) { return x; }
+#elif defined(DTYPE_F16)
+typedef unsigned short scalar_t;
+__device__ __forceinline__ float to_float(unsigned short x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
+__device__ __forceinline__ unsigned short from_float(float f) {
+  unsigned short x;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
+  return x;
+}
+#elif defined(DTYPE_BF16)
+typedef unsigned short scalar_t;
+__device__ __forceinline__ float to_float(unsigned short x) { return __uint_as_float(((unsigned int)x) << 16); }
+__device__ __forceinline__ unsigned short from_float(float f) {
+  unsigned short x;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+  return x;
+}
+#else
+#error "define DTYPE_F32, DTYPE_F16 or DTYPE_BF16"
+#endif
+
+#define WARP_SIZE 32
+#define NEG_LARGE (-1e30f)  // a running max that exp() turns into 0 without inf - inf = NaN
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// The sum over a block of up to 1024 threads; every thread gets it. scratch holds blockDim.x / 32 floats.
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  x = warp_sum(x);
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  const int warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
+  x = lane < warps ? scratch[lane] : 0.f;
+  x = warp_sum(x);
+  __syncthreads();  // scratch may be reused right after
+  return x;
+}

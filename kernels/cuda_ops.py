@@ -1,0 +1,278 @@
+"""Typed wrappers of the CUDA kernels in csrc/: each checks shapes, dtypes and strides, then launches on
+torch's current stream, so the kernels order with torch's own work and can be captured in CUDA graphs.
+
+Tensors travel as raw device pointers: CuPy has no bfloat16, and the kernels read 16-bit types as bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.nvrtc import DTYPE_MACROS, load_kernel
+from kernels.tuning import Tuning
+
+PAGE_SIZES = (8, 16, 32)
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 16  # query heads per KV head; the decode kernel keeps them all in registers
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _dtype(*tensors: torch.Tensor) -> str:
+    names = {str(t.dtype).removeprefix("torch.") for t in tensors}
+    _require(len(names) == 1, f"tensors must share one dtype, got {sorted(names)}")
+    (name,) = names
+    _require(name in DTYPE_MACROS, f"dtype {name} is not one of {', '.join(DTYPE_MACROS)}")
+    return name
+
+
+def _index(t: torch.Tensor, name: str, dims: int) -> None:
+    _require(
+        t.dtype == torch.int64 and t.dim() == dims and t.is_contiguous(),
+        f"{name} must be contiguous int64, {dims}-D",
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+@functools.cache
+def _external_stream(device: int, pointer: int) -> Any:  # a cupy.cuda.ExternalStream
+    import cupy
+
+    return cupy.cuda.ExternalStream(pointer, device)
+
+
+def _launch(
+    kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device: torch.device
+) -> None:
+    import cupy
+
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), _external_stream(device.index, stream.cuda_stream):
+        kernel(grid, block, args)
+
+
+def _kernel(name: str, function: str, dtype: str, **macros: int) -> Any:  # a cupy.RawKernel
+    return load_kernel(name, function, ((DTYPE_MACROS[dtype], 1), *sorted(macros.items())))
+
+
+def _kv_layer(kv_layer: torch.Tensor) -> tuple[int, int, int, int]:
+    _require(kv_layer.dim() == 5 and kv_layer.shape[0] == 2 and kv_layer.is_contiguous(),
+             "kv_layer must be a contiguous [2, P, B, Hkv, D] view of the pool")  # fmt: skip
+    pages, page_size, kv_heads, head_dim = kv_layer.shape[1:]
+    _require(page_size in PAGE_SIZES, f"page size {page_size} is not one of {PAGE_SIZES}")
+    _require(head_dim in HEAD_DIMS, f"head dim {head_dim} is not one of {HEAD_DIMS}")
+    return pages, page_size, kv_heads, head_dim
+
+
+def _heads(x: torch.Tensor, name: str, heads: int, head_dim: int) -> None:
+    """x is [T, heads, D] with each head's D elements contiguous and heads D apart."""
+    _require(x.dim() == 3 and x.shape[1:] == (heads, head_dim), f"{name} must be [T, {heads}, {head_dim}]")
+    _require(x.stride(2) == 1 and x.stride(1) == head_dim, f"{name}'s heads must be contiguous rows of D")
+
+
+def kv_write(
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, tuning: Tuning
+) -> None:
+    """k, v [T, Hkv, D] into kv_layer [2, P, B, Hkv, D] at slot_mapping [T] (negative slots skipped)."""
+    pages, page_size, kv_heads, head_dim = _kv_layer(kv_layer)
+    _heads(k, "k", kv_heads, head_dim)
+    _heads(v, "v", kv_heads, head_dim)
+    _index(slot_mapping, "slot_mapping", 1)
+    _require(
+        slot_mapping.shape[0] == k.shape[0] == v.shape[0], "k, v and slot_mapping need one row per token"
+    )
+    dtype = _dtype(kv_layer, k, v)
+    tokens, row = k.shape[0], kv_heads * head_dim
+    if tokens == 0:
+        return
+    strides = (np.int64(k.stride(0)), np.int64(v.stride(0)))
+    args = (_ptr(k), _ptr(v), _ptr(kv_layer), _ptr(slot_mapping), *strides, np.int32(row),
+            np.int64(pages * page_size * row))  # fmt: skip
+    _launch(
+        _kernel("kv_write", "kv_write", dtype), (tokens,), (min(row, tuning.row_threads),), args, k.device
+    )
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """What both attention kernels check and need of q, out and the pool."""
+
+    dtype: str
+    macros: dict[str, int]  # the compile-time shape, less NUM_WARPS
+    kv_heads: int
+    v_offset: int  # elements from the K half of kv_layer to its V half
+
+
+def _attention(
+    out: torch.Tensor, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor
+) -> _Attention:
+    pages, page_size, kv_heads, head_dim = _kv_layer(kv_layer)
+    q_heads = q.shape[1]
+    group = q_heads // kv_heads
+    _require(
+        q_heads % kv_heads == 0 and group <= MAX_GROUP, f"{q_heads} query heads over {kv_heads} KV heads"
+    )
+    _heads(q, "q", q_heads, head_dim)
+    _require(out.is_contiguous() and out.shape == q.shape, "out must be contiguous and shaped like q")
+    _index(block_tables, "block_tables", 2)
+    macros = {"HEAD_DIM": head_dim, "PAGE_SIZE": page_size, "GROUP": group}
+    return _Attention(_dtype(kv_layer, q, out), macros, kv_heads, pages * page_size * kv_heads * head_dim)
+
+
+def paged_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    tuning: Tuning,
+) -> None:
+    """out [S, Hq, D] = attention of q [S, Hq, D] over each sequence's seq_lens [S] cached tokens.
+
+    max_seq_len bounds every seq_lens entry; it sets how many partitions each sequence is split into.
+    """
+    shape = _attention(out, q, kv_layer, block_tables)
+    _index(seq_lens, "seq_lens", 1)
+    seqs, head_dim = q.shape[0], q.shape[2]
+    kv_heads, group = shape.kv_heads, shape.macros["GROUP"]
+    _require(
+        block_tables.shape[0] == seq_lens.shape[0] == seqs, "one block table row and length per sequence"
+    )
+    if seqs == 0:
+        return
+    partitions = max(1, -(-max_seq_len // tuning.partition_size))
+    macros = {**shape.macros, "NUM_WARPS": tuning.decode_warps}
+    partial_out = partial_max = partial_sum = None
+    if partitions > 1:
+        partial_out = torch.empty(
+            seqs, kv_heads, partitions, group, head_dim, dtype=torch.float32, device=q.device
+        )
+        partial_max = torch.empty(seqs, kv_heads, partitions, group, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+    args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(q), _ptr(kv_layer),
+            _ptr(block_tables), _ptr(seq_lens), np.int32(kv_heads), np.int32(block_tables.shape[1]),
+            np.int64(q.stride(0)), np.int64(shape.v_offset), np.float32(scale),
+            np.int32(tuning.partition_size))  # fmt: skip
+    kernel = _kernel("paged_decode", "paged_decode", shape.dtype, **macros)
+    _launch(kernel, (seqs, kv_heads, partitions), (tuning.decode_warps * 32,), args, q.device)
+    if partitions > 1:
+        reduce = _kernel("paged_decode", "paged_decode_reduce", shape.dtype, **macros)
+        args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(seq_lens),
+                np.int32(kv_heads), np.int32(partitions), np.int32(tuning.partition_size))  # fmt: skip
+        _launch(reduce, (seqs, q.shape[1]), (head_dim,), args, q.device)
+
+
+def paged_prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    token_pos: torch.Tensor,
+    scale: float,
+    tuning: Tuning,
+) -> None:
+    """out [Tp, Hq, D]: each query token attends causally to keys 0..token_pos of its sequence's pages."""
+    shape = _attention(out, q, kv_layer, block_tables)
+    _index(token_seq, "token_seq", 1)
+    _index(token_pos, "token_pos", 1)
+    tokens, kv_heads, warps = q.shape[0], shape.kv_heads, tuning.prefill_warps
+    _require(
+        token_seq.shape[0] == token_pos.shape[0] == tokens, "one sequence row and position per query token"
+    )
+    if tokens == 0:
+        return
+    args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(block_tables), _ptr(token_seq), _ptr(token_pos),
+            np.int32(tokens), np.int32(kv_heads), np.int32(block_tables.shape[1]), np.int64(q.stride(0)),
+            np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
+    grid = (-(-tokens * kv_heads // warps),)
+    kernel = _kernel("paged_prefill", "paged_prefill", shape.dtype, **shape.macros, NUM_WARPS=warps)
+    _launch(kernel, grid, (warps * 32,), args, q.device)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, tuning: Tuning
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x [T, H] or [T, heads, D], after adding residual in place when given.
+
+    Returns (normed, contiguous like x; the new residual: residual itself, updated, or x).
+    """
+    _require(
+        x.dim() in (2, 3) and x.stride(-1) == 1, "x must be [T, H] or [T, heads, D] with contiguous rows"
+    )
+    hidden = x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    rows = x.shape[0] * heads
+    _require(weight.is_contiguous() and weight.shape == (hidden,), f"weight must be [{hidden}]")
+    if residual is not None:
+        _require(
+            residual.is_contiguous() and residual.shape == x.shape,
+            "residual must be contiguous and shaped like x",
+        )
+    dtype = _dtype(x, weight, *([residual] if residual is not None else []))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows:
+        head_stride = x.stride(1) if x.dim() == 3 else 0
+        args = (_ptr(out), _ptr(residual), _ptr(x), _ptr(residual), _ptr(weight), np.int32(hidden),
+                np.int32(heads), np.int64(x.stride(0)), np.int64(head_stride), np.float32(eps))  # fmt: skip
+        threads = min(tuning.row_threads, max(32, -(-hidden // 32) * 32))
+        _launch(_kernel("rms_norm", "rms_norm", dtype), (rows,), (threads,), args, x.device)
+    return out, (residual if residual is not None else x)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, tuning: Tuning
+) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by positions [T]; cos_sin is [max_positions, 2, D]."""
+    head_dim = q.shape[2]
+    _heads(q, "q", q.shape[1], head_dim)
+    _heads(k, "k", k.shape[1], head_dim)
+    _require(
+        head_dim % 2 == 0 and k.shape[0] == q.shape[0], "q and k need even head dims and one row per token"
+    )
+    _require(
+        cos_sin.is_contiguous() and cos_sin.shape[1:] == (2, head_dim), f"cos_sin must be [N, 2, {head_dim}]"
+    )
+    _index(positions, "positions", 1)
+    dtype = _dtype(q, k, cos_sin)
+    if q.shape[0] == 0:
+        return
+    pairs = (q.shape[1] + k.shape[1]) * head_dim // 2
+    args = (_ptr(q), _ptr(k), _ptr(positions), _ptr(cos_sin), np.int32(q.shape[1]), np.int32(k.shape[1]),
+            np.int32(head_dim), np.int64(q.stride(0)), np.int64(k.stride(0)))  # fmt: skip
+    _launch(
+        _kernel("rotary", "rotary", dtype), (q.shape[0],), (min(pairs, tuning.row_threads),), args, q.device
+    )
+
+
+def silu_and_mul(x: torch.Tensor, tuning: Tuning) -> torch.Tensor:
+    """x [T, 2 I] holds gate then up; returns silu(gate) * up, [T, I]."""
+    _require(
+        x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, "x must be [T, 2 I] with contiguous rows"
+    )
+    dtype = _dtype(x)
+    inner = x.shape[1] // 2
+    out = torch.empty(x.shape[0], inner, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        args = (_ptr(out), _ptr(x), np.int32(inner), np.int64(x.stride(0)))
+        _launch(
+            _kernel("silu_and_mul", "silu_and_mul", dtype),
+            (x.shape[0],),
+            (min(inner, tuning.row_threads),),
+            args,
+            x.device,
+        )
+    return out

@@ -1,0 +1,60 @@
+"""The CUDA backend: the kernels in csrc/, through their typed wrappers, with launch parameters tuned for
+the device's architecture. Every launch goes on torch's current stream."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cuda_ops
+from kernels.backend import AttentionMetadata
+from kernels.tuning import tuning_for
+
+
+class CupyBackend:
+    name = "cupy"
+
+    def __init__(self, device: torch.device) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        self.tuning = tuning_for(major * 10 + minor)
+
+    def write_kv(
+        self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        cuda_ops.kv_write(kv_layer, k, v, slot_mapping, self.tuning)
+
+    def paged_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n = meta.num_decodes
+        if n:
+            tables, lens = meta.block_tables[:n], meta.seq_lens[:n]
+            cuda_ops.paged_decode(
+                out[:n], q[:n], kv_layer, tables, lens, meta.decode_max_len, scale, self.tuning
+            )
+        if n < q.shape[0]:
+            cuda_ops.paged_prefill(
+                out[n:],
+                q[n:],
+                kv_layer,
+                meta.block_tables,
+                meta.prefill_seq,
+                meta.prefill_pos,
+                scale,
+                self.tuning,
+            )
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cuda_ops.rms_norm(x, weight, eps, residual, self.tuning)
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cuda_ops.rotary(q, k, positions, cos_sin, self.tuning)
+        return q, k
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return cuda_ops.silu_and_mul(x, self.tuning)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine (torch, CuPy, transformers and grpcio there; no internet):
+#   1. the CUDA kernels against the torch reference, CUDA IPC between processes, and greedy parity with
+#      transformers through `pagedserve up --device cuda` (pytest tests/kernels tests/gpu);
+#   2. each kernel's time against the bytes it moves and a device copy, paged decode against torch-native
+#      paged attention, and end-to-end tokens/s (scripts/bench_kernels.py).
+# It runs from the source tree with no install step. Python packages the machine lacks travel as wheels in
+# .whl/ (scripts/gpu_wheels.sh fetches them here; name .whl in the run's carry). Logs go to $OUT.
+# Budget: under 8 minutes. The short table comes last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/tmp/pagedserve-cache
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+$PY -c "import torch, cupy, grpc, google.protobuf as pb; print('torch', torch.__version__, 'cupy', cupy.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)" | tee -a "$OUT/gpu.txt"
+
+timeout 300 $PY -m pytest -q -p no:cacheprovider -o addopts= tests/kernels tests/gpu 2>&1 | tee "$OUT/tests.log"
+tests_status=${PIPESTATUS[0]}
+timeout 240 $PY scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+bench_status=${PIPESTATUS[0]}
+
+echo
+echo "== gpu_check: $(head -1 "$OUT/gpu.txt")"
+echo "tests: $(tail -1 "$OUT/tests.log") (exit $tests_status)"
+sed -n '/device copy/,$p' "$OUT/bench.log"
+echo "bench exit $bench_status"
+[ "$tests_status" = 0 ] && [ "$bench_status" = 0 ]

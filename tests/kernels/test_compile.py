@@ -1,0 +1,52 @@
+"""Every CUDA kernel compiles, through the raw NVRTC API and with no GPU, for sm_80 and sm_90, in every
+variant the worker can ask for; the attention kernels' largest variants keep every array in registers."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from kernels.cuda_ops import HEAD_DIMS, PAGE_SIZES
+from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, compile_cubin
+from kernels.tuning import TUNINGS
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy and nvidia-cuda-nvrtc-cu12")
+
+ARCHS = [f"sm_{cc}" for cc in sorted(TUNINGS)]
+ATTENTION = ("paged_decode", "paged_prefill")
+ROW_WISE = [name for name in KERNEL_FILES if name not in ATTENTION]
+
+
+@pytest.mark.parametrize(
+    ("arch", "name", "dtype"), list(itertools.product(ARCHS, ROW_WISE, DTYPE_MACROS.values()))
+)
+def test_row_wise_kernels_compile(arch: str, name: str, dtype: str) -> None:
+    cubin, _ = compile_cubin(name, arch, {dtype: 1})
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(
+    ("arch", "name", "dtype", "head_dim", "page_size"),
+    list(itertools.product(ARCHS, ATTENTION, DTYPE_MACROS.values(), HEAD_DIMS, PAGE_SIZES)),
+)
+def test_attention_kernels_compile(arch: str, name: str, dtype: str, head_dim: int, page_size: int) -> None:
+    tuning = TUNINGS[int(arch[3:])]
+    macros = {
+        dtype: 1,
+        "HEAD_DIM": head_dim,
+        "PAGE_SIZE": page_size,
+        "GROUP": 4,
+        "NUM_WARPS": tuning.decode_warps,
+    }
+    cubin, _ = compile_cubin(name, arch, macros)
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(("arch", "name", "group"), list(itertools.product(ARCHS, ATTENTION, (1, 3, 8, 16))))
+def test_attention_kernels_do_not_spill(arch: str, name: str, group: int) -> None:
+    macros = {"DTYPE_BF16": 1, "HEAD_DIM": 128, "PAGE_SIZE": 16, "GROUP": group, "NUM_WARPS": 4}
+    _, log = compile_cubin(name, arch, macros, report=True)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    assert spills and not any(spills), log
