@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from memory_daemon.refill import RefillSettings
+from services.common.metrics import check_metrics_port
 
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
@@ -20,6 +21,7 @@ class DaemonConfig:
     watermark: float = 0.01  # fraction of a pool kept free by evicting idle cached pages
     refill: RefillSettings = field(default_factory=RefillSettings)
     shutdown_grace_s: float = 2.0
+    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device) or self.device.startswith("cpu:"):
@@ -28,6 +30,7 @@ class DaemonConfig:
             raise ValueError("memory sizes must be positive")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {self.watermark}")
+        check_metrics_port(self.metrics_port)
 
     @property
     def device_kind(self) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from memory_daemon.config import DaemonConfig
 from memory_daemon.export import remove_stale_files
+from memory_daemon.metrics import start_metrics
 from memory_daemon.refill import RefillSettings
 from memory_daemon.service import SERVICE_NAME, MemoryDaemonService
 from pagedserve.memory.v1 import memory_pb2_grpc
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.refill.max_pages,
         help="largest refill in pages (default: %(default)s)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -73,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         pool_bytes=args.pool_memory,
         watermark=args.watermark,
         refill=RefillSettings(min_pages=args.min_refill, max_pages=args.max_refill),
+        metrics_port=args.metrics_port,
     )
 
 
@@ -81,6 +89,7 @@ async def serve(config: DaemonConfig) -> None:
     for path in remove_stale_files(Path(config.shm_dir)):
         log.info("removed %s, left by a daemon that is gone", path)
     service = MemoryDaemonService(config)
+    snapshots = start_metrics(service, config.metrics_port) if config.metrics_port else None
     running = await start_server(
         config.address,
         lambda server: memory_pb2_grpc.add_MemoryDaemonServicer_to_server(service, server),
@@ -96,6 +105,8 @@ async def serve(config: DaemonConfig) -> None:
         log.info("shutting down")
         await running.stop(config.shutdown_grace_s)
     finally:
+        if snapshots is not None:
+            snapshots.cancel()
         service.close()
 
 

@@ -20,6 +20,7 @@ from memory_daemon.export import CudaStorage, ShmStorage, Storage
 from memory_daemon.ledger import Lease, PageLedger
 from memory_daemon.pool import Pool
 from memory_daemon.shape import PoolShape
+from memory_daemon.stats import PoolCounts
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.common.sizes import format_bytes
@@ -106,6 +107,10 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self, request: memory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.DaemonStats:
         return memory_pb2.DaemonStats(pools=[pool.stats() for pool in self._pools.values()])
+
+    def pool_counts(self) -> list[tuple[int, PoolCounts]]:
+        """Every pool's id and counts (call on the daemon's event loop, like any handler)."""
+        return [(pool.pool_id, pool.ledger.counts()) for pool in self._pools.values()]
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": ("services.commands.generate", "stream an answer to a prompt"),
     "chat": ("services.commands.chat", "chat with the model in the terminal"),
     "health": ("services.commands.health", "check a server's grpc.health.v1 status"),
+    "bench": ("services.commands.bench", "load a running stack and report latency, throughput and KV use"),
 }
 
 

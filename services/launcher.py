@@ -5,12 +5,18 @@ child starts only after the one it needs reports SERVING through grpc.health.v1,
 prints comes out prefixed with its name. Ctrl-C or SIGTERM drains the frontend, then stops the workers and
 the daemon; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG), so none is orphaned. If a
 child dies, the launcher says which one and why, and stops the rest.
+
+Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
+`{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
+{"frontend": {"address", "metrics"}, "daemon": {"address", "metrics"}, "workers": [{"name", "address",
+"metrics"}]}, with null metrics when they are off.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import shutil
 import signal
 import socket
@@ -21,7 +27,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from services.common.metrics import METRICS_HOST, metrics_url
 from services.common.rpc import wait_for_health
 from services.common.sizes import parse_bytes
 
@@ -126,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batched-tokens", type=int)
     parser.add_argument(
+        "--no-metrics", action="store_true", help="serve no Prometheus metrics (default: each process does)"
+    )
+    parser.add_argument(
         "--run-dir", type=Path, help="where the internal unix sockets go (default: a new temp dir)"
     )
     parser.add_argument("--log-level", default="INFO")
@@ -140,8 +151,13 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     address = f"{args.host}:{args.port or _free_port(args.host)}"
     try:
-        _start_stack(launcher, args, address)
+        endpoints = _start_stack(launcher, args, address)
+        _write_json(run_dir / "endpoints.json", endpoints)
         launcher.say(f"pagedserve is up on {address} with {args.workers} worker(s); Ctrl-C stops it")
+        if not args.no_metrics:
+            named = [("frontend", endpoints["frontend"]), ("daemon", endpoints["daemon"])]
+            named += [(worker["name"], worker) for worker in endpoints["workers"]]
+            launcher.say("metrics: " + ", ".join(f"{name} {where['metrics']}" for name, where in named))
         while not stop.wait(0.2):
             dead = launcher.first_dead()
             if dead is not None:
@@ -157,14 +173,22 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> None:
+def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> dict[str, Any]:
+    """Start every process in order; returns their endpoints, as endpoints.json holds them."""
     common = ["--log-level", args.log_level]
     model = ["--model", args.model] if args.model else []
+
+    def metrics() -> tuple[list[str], str | None]:
+        if args.no_metrics:
+            return [], None
+        port = _free_port(METRICS_HOST)
+        return ["--metrics-port", str(port)], metrics_url(port)
+
     daemon_address = f"unix:{launcher.run_dir}/daemon.sock"
-    launcher.start(
-        "daemon", ["daemon", "--address", daemon_address, "--device", args.device, *common], daemon_address
-    )
-    frontend = ["frontend", "--address", address, *model, *common]
+    daemon_flags, daemon_metrics = metrics()
+    daemon = ["daemon", "--address", daemon_address, "--device", args.device, *daemon_flags, *common]
+    launcher.start("daemon", daemon, daemon_address)
+    workers: list[dict[str, str | None]] = []
     for i in range(args.workers):
         worker_address = f"unix:{launcher.run_dir}/worker-{i}.sock"
         worker = ["worker", "--name", f"worker-{i}", "--address", worker_address, "--daemon", daemon_address]
@@ -180,9 +204,25 @@ def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> 
         ]
         if args.max_batched_tokens:
             worker += ["--max-batched-tokens", str(args.max_batched_tokens)]
-        launcher.start(f"worker-{i}", worker, worker_address)
-        frontend += ["--worker", worker_address]
+        worker_flags, worker_metrics = metrics()
+        launcher.start(f"worker-{i}", worker + worker_flags, worker_address)
+        workers.append({"name": f"worker-{i}", "address": worker_address, "metrics": worker_metrics})
+    frontend_flags, frontend_metrics = metrics()  # picked just before use: a free port may not stay free
+    frontend = ["frontend", "--address", address, *frontend_flags, *model, *common]
+    frontend += [arg for worker in workers for arg in ("--worker", worker["address"])]
     launcher.start("frontend", frontend, address, health_service="pagedserve.v1.Generation")
+    return {
+        "frontend": {"address": address, "metrics": frontend_metrics},
+        "daemon": {"address": daemon_address, "metrics": daemon_metrics},
+        "workers": workers,
+    }
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write whole or not at all: a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n")
+    partial.replace(path)
 
 
 def _free_port(host: str) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.metrics import check_metrics_port
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -14,9 +16,11 @@ class FrontendConfig:
     max_waiting: int = 1024  # requests queued behind them; more are refused with RESOURCE_EXHAUSTED
     default_max_tokens: int = 256
     shutdown_grace_s: float = 10.0
+    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
 
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("the frontend needs at least one --worker")
         if self.max_running < 1 or self.max_waiting < 0 or self.default_max_tokens < 1:
             raise ValueError("max_running and default_max_tokens must be positive, max_waiting not negative")
+        check_metrics_port(self.metrics_port)

@@ -15,9 +15,11 @@ from transformers import AutoTokenizer
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import resolve_model
 from services.common.logs import setup_logging
+from services.common.metrics import serve_metrics
 from services.common.rpc import start_server
 from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
+from services.frontend.metrics import track_admission
 from services.frontend.router import Router
 from services.frontend.service import GenerationService
 from services.frontend.validation import RequestBuilder
@@ -49,9 +51,11 @@ async def serve(config: FrontendConfig) -> None:
         vocab_size=spec.vocab_size,
         eos_token_ids=spec.eos_token_ids,
     )
-    service = GenerationService(
-        router, Admission(config.max_running, config.max_waiting), builder, model_info
-    )
+    admission = Admission(config.max_running, config.max_waiting)
+    service = GenerationService(router, admission, builder, model_info)
+    if config.metrics_port:
+        track_admission(admission)
+        serve_metrics(config.metrics_port)
 
     def register(server: object) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -106,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=defaults.max_running)
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
+    )
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
 
@@ -117,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         default_max_tokens=args.default_max_tokens,
+        metrics_port=args.metrics_port,
     )
 
 

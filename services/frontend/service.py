@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.frontend.admission import Admission
 from services.frontend.detokenizer import TextStream
+from services.frontend.metrics import RequestTracker
 from services.frontend.router import Router
 from services.frontend.validation import PreparedRequest, RequestBuilder
 
@@ -41,21 +42,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        async for response in self._generate(self._builder.prepare(request)):
-            yield response
+        with RequestTracker(context) as tracker:
+            async for response in self._generate(self._builder.prepare(request), tracker):
+                yield response
 
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
         whole = generation_pb2.GenerateResponse()
-        async for response in self._generate(self._builder.prepare(request)):
-            whole.request_id = response.request_id
-            whole.text += response.text
-            whole.token_ids.extend(response.token_ids)
-            whole.logprobs.extend(response.logprobs)
-            whole.finish_reason = response.finish_reason
-            if response.HasField("usage"):
-                whole.usage.CopyFrom(response.usage)
+        with RequestTracker(context) as tracker:
+            async for response in self._generate(self._builder.prepare(request), tracker):
+                whole.request_id = response.request_id
+                whole.text += response.text
+                whole.token_ids.extend(response.token_ids)
+                whole.logprobs.extend(response.logprobs)
+                whole.finish_reason = response.finish_reason
+                if response.HasField("usage"):
+                    whole.usage.CopyFrom(response.usage)
         return whole
 
     async def Tokenize(
@@ -79,8 +82,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             info.dtype, info.device, info.page_size = worker.dtype, worker.device, worker.page_size
         return info
 
-    async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _generate(
+        self, prepared: PreparedRequest, tracker: RequestTracker
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        tracker.queued()
         async with self._admission.slot(prepared.priority):
+            tracker.admitted()
             link = self._router.pick()
             worker_id, outputs = link.submit(prepared.prompt_ids, prepared.options, prepared.priority)
             text = TextStream(self._tokenizer.backend_tokenizer, prepared.prompt_ids, prepared.stop)
@@ -113,6 +120,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         response.usage.prompt_tokens = len(prepared.prompt_ids)
                         response.usage.completion_tokens = completion_tokens
                         response.usage.cached_prompt_tokens = output.cached_prompt_tokens
+                    tracker.responded(response)
                     yield response
             finally:
                 if not finished:

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from services.common.metrics import check_metrics_port
 from services.worker.engine import EngineConfig
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -28,6 +29,7 @@ class WorkerConfig:
     kernels: Literal["auto", "torch", "cupy"] = "auto"  # auto: the CuPy kernels on CUDA, torch on the CPU
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):
@@ -38,6 +40,7 @@ class WorkerConfig:
             raise ValueError(f"page_size must be 8, 16 or 32, got {self.page_size}")
         if self.kernels == "cupy" and self.device == "cpu":
             raise ValueError("the CuPy kernels need --device cuda")
+        check_metrics_port(self.metrics_port)
 
     @property
     def kernel_backend(self) -> Literal["torch", "cupy"]:

@@ -3,6 +3,9 @@
 Submissions and aborts arrive from other threads through an inbox; the loop drains it at the top of every
 step, so an abort frees the request's pages before the next step runs. Each step's new tokens, for every
 request at once, go to one callback.
+
+For metrics, the engine keeps plain counters and, after every step of its thread, a tuple of numbers that
+would otherwise need a walk over the running sequences, so another thread reads them without a race.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -90,6 +94,14 @@ class Engine:
         self.on_outputs = on_outputs
         self.steps = 0
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, sampled rows) of the last forward pass
+        # Counters for metrics, written only by the engine. A request's prompt is counted the first time it
+        # is scheduled, with what the prefix cache held for it then; a recompute after preemption is not.
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.generation_tokens = 0
+        self.kv_slots: tuple[int, int] = (0, 0)  # (allocated, used) token slots of running sequences
+        self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each forward step
+        self._scheduled: set[Hashable] = set()  # live requests whose prompt has been counted
         self._eos = frozenset(model.spec.eos_token_ids)
         self._live: dict[Hashable, Sequence] = {}  # touched only by the engine thread
         self._wake = threading.Condition()
@@ -158,6 +170,12 @@ class Engine:
             outputs.append(self._finished(seq, [], []))
         if not plan.items:
             return outputs
+        for item in plan.items:
+            seq = item.seq
+            if seq.key not in self._scheduled:
+                self._scheduled.add(seq.key)
+                self.prompt_tokens += seq.prompt_len
+                self.cached_prompt_tokens += seq.cached_prompt_tokens
         batch = build_batch(plan.items, self.kv.page_size, self.model.device)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:  # a prefill, a batch larger than any graph, or no graphs
@@ -167,6 +185,7 @@ class Engine:
         samples = sample(logits, [item.seq for item in batch.sampling])
         self.steps += 1
         self.last_batch = (batch.num_tokens, len(batch.sampling))
+        self.generation_tokens += len(batch.sampling)
         for item in batch.items:
             item.seq.num_computed += item.count
             self.scheduler.publish_full_pages(item.seq)
@@ -201,16 +220,26 @@ class Engine:
                 self._wake.wait_for(lambda: self._stopping or self.has_work())
                 if self._stopping:
                     break
+            steps, started = self.steps, time.perf_counter()
             try:
                 outputs = self.step()
             except Exception:
                 log.exception("engine step failed; failing every live request")
                 outputs = self._fail_all("the engine failed on this request's step; see the worker log")
+            self._observe_step(time.perf_counter() - started, ran=self.steps != steps)
             if outputs and self.on_outputs is not None:
                 self.on_outputs(outputs)
         outputs = [self._finish(seq, FinishReason.ABORT) for seq in list(self._live.values())]
         if outputs and self.on_outputs is not None:
             self.on_outputs(outputs)
+
+    def _observe_step(self, seconds: float, ran: bool) -> None:
+        """Refresh the numbers other threads read; O(running sequences), a few microseconds."""
+        running = self.scheduler.running
+        allocated = sum(len(seq.pages) for seq in running) * self.kv.page_size
+        self.kv_slots = (allocated, sum(seq.num_computed for seq in running))
+        if ran and self.on_step is not None:
+            self.on_step(seconds, self.last_batch[0])
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._wake:
@@ -250,6 +279,7 @@ class Engine:
         self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob], error: str | None = None
     ) -> RequestOutput:
         del self._live[seq.key]
+        self._scheduled.discard(seq.key)
         return RequestOutput(
             seq.key,
             token_ids,

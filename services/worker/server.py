@@ -16,12 +16,14 @@ from memory_daemon.shape import PoolShape
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import resolve_model
 from services.common.logs import setup_logging
+from services.common.metrics import serve_metrics
 from services.common.rpc import start_server
 from services.common.sizes import parse_bytes
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.engine import Engine, EngineConfig
 from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache
+from services.worker.metrics import instrument
 from services.worker.models import CausalLM
 from services.worker.models.spec import model_identity
 from services.worker.service import SERVICE_NAME, WorkerService
@@ -95,6 +97,9 @@ async def serve(config: WorkerConfig) -> None:
     loaded = await asyncio.to_thread(load_worker, config)
     engine = loaded.engine
     service = WorkerService(engine, loaded.info, asyncio.get_running_loop())
+    if config.metrics_port:
+        instrument(engine)
+        serve_metrics(config.metrics_port)
     engine.start()
     running = await start_server(
         config.address,
@@ -153,6 +158,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention and fused kernels: auto takes CuPy's on CUDA, torch's on the CPU",
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
+    )
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
 
@@ -175,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             max_num_seqs=args.max_num_seqs,
             prefix_caching=not args.no_prefix_caching,
         ),
+        metrics_port=args.metrics_port,
     )
 
 

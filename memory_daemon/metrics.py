@@ -1,0 +1,96 @@
+"""The daemon's Prometheus metrics: page counts, prefix cache and evictions per pool.
+
+The ledgers change on the daemon's event loop while prometheus_client serves scrapes from its own thread,
+so the scrape thread never touches a ledger. A task on the loop takes a snapshot of every pool's counts
+(the numbers GetStats reports) every half second, and the collector reads the latest snapshot: a tuple
+replaced whole, so a scrape sees one consistent moment, at most half a second old.
+
+Per pool, labelled `pool` (its id): `pagedserve_kv_pages{state}` for free, leased and shared pages
+(free + leased + shared = `pagedserve_kv_pages_total_capacity`, the usable pages) and for cached and
+evictable pages, which are subsets of shared; `pagedserve_kv_workers`, the attached leases; and counters
+for evictions, prefix lookups, lookups that hit, pages queried and pages hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from memory_daemon.service import MemoryDaemonService
+from memory_daemon.stats import PoolCounts
+from services.common.metrics import serve_metrics
+
+SNAPSHOT_INTERVAL_S = 0.5
+
+# (metric name without _total, PoolCounts field, help)
+_COUNTERS = (
+    ("pagedserve_kv_evictions", "evictions", "cached pages evicted to make room"),
+    ("pagedserve_kv_prefix_lookups", "prefix_lookups", "prefix cache lookups"),
+    ("pagedserve_kv_prefix_hits", "prefix_hits", "prefix cache lookups that matched at least one page"),
+    ("pagedserve_kv_prefix_queried_pages", "prefix_queried_pages", "pages asked for by prefix lookups"),
+    ("pagedserve_kv_prefix_hit_pages", "prefix_hit_pages", "pages found by prefix lookups"),
+)
+_STATES = ("free", "leased", "shared", "cached", "evictable")
+
+
+class PoolSnapshots(Collector):
+    """The latest counts of every pool, taken on the event loop and read by the scrape thread."""
+
+    def __init__(self, read_counts: Callable[[], list[tuple[int, PoolCounts]]]) -> None:
+        self._read_counts = read_counts
+        self.latest: tuple[tuple[int, PoolCounts], ...] = ()
+
+    def refresh(self) -> None:
+        self.latest = tuple(self._read_counts())
+
+    async def run(self, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
+        """Refresh forever (run it as a task on the daemon's loop; cancel it to stop)."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(interval_s)
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(())
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.latest)
+
+    @staticmethod
+    def _families(snapshot: tuple[tuple[int, PoolCounts], ...]) -> Iterator[Metric]:
+        pages = GaugeMetricFamily(
+            "pagedserve_kv_pages",
+            "pages by state: free + leased + shared = capacity; cached and evictable are shared pages",
+            labels=["pool", "state"],
+        )
+        capacity = GaugeMetricFamily(
+            "pagedserve_kv_pages_total_capacity", "usable pages (the null page not counted)", labels=["pool"]
+        )
+        workers = GaugeMetricFamily("pagedserve_kv_workers", "workers attached (leases)", labels=["pool"])
+        counters = [CounterMetricFamily(name, text, labels=["pool"]) for name, _, text in _COUNTERS]
+        for pool_id, counts in snapshot:
+            pool = str(pool_id)
+            for state in _STATES:
+                pages.add_metric([pool, state], getattr(counts, f"{state}_pages"))
+            capacity.add_metric([pool], counts.total_pages)
+            workers.add_metric([pool], len(counts.workers))
+            for family, (_, field, _) in zip(counters, _COUNTERS, strict=True):
+                family.add_metric([pool], getattr(counts, field))
+        yield from (pages, capacity, workers, *counters)
+
+
+def start_metrics(
+    service: MemoryDaemonService, port: int, registry: CollectorRegistry = REGISTRY
+) -> asyncio.Task[None]:
+    """Snapshot the service's pools on this loop, register the collector and serve /metrics on port.
+
+    Returns the snapshot task; cancel it at shutdown.
+    """
+    snapshots = PoolSnapshots(service.pool_counts)
+    registry.register(snapshots)
+    task = asyncio.create_task(snapshots.run(), name="metrics-snapshots")
+    serve_metrics(port)
+    return task

@@ -1,0 +1,60 @@
+"""Sending a workload to a running stack over gRPC and timing every token.
+
+Under a fixed concurrency, that many requests are in flight at all times; under a rate, each request leaves
+at its Poisson arrival time whatever is still running. Every request streams (Generate), greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from tqdm import tqdm
+
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.bench.results import RequestRecord
+from services.bench.workloads import BenchRequest
+from services.common.rpc import CHANNEL_OPTIONS
+
+
+async def run_load(
+    address: str, requests: list[BenchRequest], *, concurrency: int | None, label: str
+) -> list[RequestRecord]:
+    """Send every request; with a concurrency, keep that many in flight; else follow their arrival times."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        progress = tqdm(total=len(requests), desc=label, unit="req", leave=False)
+        slots = asyncio.Semaphore(concurrency or len(requests))
+        start = time.perf_counter()
+
+        async def send(request: BenchRequest) -> RequestRecord:
+            delay = start + request.arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with slots:
+                record = await _one(stub, request)
+            progress.update()
+            return record
+
+        records = await asyncio.gather(*(send(request) for request in requests))
+        progress.close()
+    return list(records)
+
+
+async def _one(stub: generation_pb2_grpc.GenerationStub, request: BenchRequest) -> RequestRecord:
+    record = RequestRecord(request.index, len(request.prompt_ids), sent=time.perf_counter())
+    sampling = generation_pb2.SamplingParams(
+        max_tokens=request.max_tokens, temperature=0.0, ignore_eos=request.ignore_eos
+    )
+    message = generation_pb2.GenerateRequest(prompt_token_ids=request.prompt_ids, sampling=sampling)
+    try:
+        async for response in stub.Generate(message):
+            now = time.perf_counter()
+            record.token_times += [now] * len(response.token_ids)
+            if response.HasField("usage"):
+                record.cached_prompt_tokens = response.usage.cached_prompt_tokens
+    except grpc.aio.AioRpcError as exc:
+        record.status = exc.code().name
+    record.done = time.perf_counter()
+    return record

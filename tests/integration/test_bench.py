@@ -1,0 +1,75 @@
+"""`pagedserve bench` against a real stack, briefly, and what its JSON says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.default_model import default_model_dir
+from tests.procs import REPO, Stack, start_stack
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    default_model_dir()
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
+    running = start_stack(run_dir, "--kv-memory", "256MiB")
+    yield running
+    assert running.stop() == 0, running.log()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def bench(stack: Stack, out: Path, *args: str) -> dict:
+    command = [sys.executable, "-m", "services.cli", "bench", "--address", stack.address, "--out", str(out)]
+    command += ["--endpoints", str(stack.run_dir / "endpoints.json"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| pagedserve |" in done.stdout
+    assert (out / "bench.png").stat().st_size > 10_000
+    return json.loads((out / "bench.json").read_text())
+
+
+def check_run(run: dict, requests: int) -> None:
+    summary = run["summary"]
+    assert summary["requests"] == summary["completed"] == requests and summary["errors"] == {}
+    for latency in ("ttft_s", "tpot_s", "itl_s"):
+        p = summary[latency]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (latency, p)
+    assert (
+        summary["output_tokens_per_s"] > 0 and summary["goodput_requests_per_s"] <= summary["requests_per_s"]
+    )
+
+
+def test_concurrency_levels_with_the_transformers_baselines(stack: Stack, tmp_path: Path) -> None:
+    result = bench(stack, tmp_path, "--requests", "6", "--concurrency", "2,4", "--input-len", "16-48",
+                   "--output-len", "4-12", "--baseline", "hf")  # fmt: skip
+    runs = result["runs"]
+    assert [(run["system"], run["load"]) for run in runs] == [
+        ("pagedserve", 2), ("pagedserve", 4), ("hf-static", 2), ("hf-static", 4),
+        ("hf-continuous", 2), ("hf-continuous", 4),
+    ]  # fmt: skip
+    for run in runs:
+        check_run(run, 6)
+    for run in runs[:2]:
+        kv = run["kv"]
+        assert 0.0 <= kv["kv_fragmentation"] <= 1.0 and kv["kv_fragmentation_samples"] > 0
+        assert kv["preemptions"] == 0
+    assert runs[0]["summary"]["output_tokens"] == runs[2]["summary"]["output_tokens"]  # the same work
+
+
+def test_poisson_arrivals_behind_a_shared_prefix(stack: Stack, tmp_path: Path) -> None:
+    result = bench(stack, tmp_path, "--workload", "shared-prefix", "--requests", "8", "--rate", "4",
+                   "--prefix-len", "96", "--input-len", "8-24", "--output-len", "4-8")  # fmt: skip
+    (run,) = result["runs"]
+    check_run(run, 8)
+    assert result["config"]["load"] == "rate (req/s)"
+    # Requests that arrive after the first one's prefill find the system prompt's 6 pages in the cache.
+    assert 0.5 < run["kv"]["prefix_hit_rate"] <= 1.0
+    assert run["summary"]["cached_prompt_tokens"] >= 5 * 96
