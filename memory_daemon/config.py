@@ -21,6 +21,7 @@ class DaemonConfig:
     watermark: float = 0.01  # fraction of a pool kept free by evicting idle cached pages
     refill: RefillSettings = field(default_factory=RefillSettings)
     shutdown_grace_s: float = 2.0
+    secret: str | None = field(default=None, repr=False)  # callers must present it (services.common.auth)
     metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from memory_daemon.metrics import start_metrics
 from memory_daemon.refill import RefillSettings
 from memory_daemon.service import SERVICE_NAME, MemoryDaemonService
 from pagedserve.memory.v1 import memory_pb2_grpc
+from services.common.auth import read_secret, secret_interceptor
 from services.common.logs import setup_logging
 from services.common.rpc import start_server
 from services.common.sizes import parse_bytes
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.metrics_port,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
     )
+    parser.add_argument("--secret-file", help="the stack's shared secret (default: $PAGEDSERVE_SECRET)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -81,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         watermark=args.watermark,
         refill=RefillSettings(min_pages=args.min_refill, max_pages=args.max_refill),
         metrics_port=args.metrics_port,
+        secret=read_secret(args.secret_file),
     )
 
 
@@ -94,6 +97,7 @@ async def serve(config: DaemonConfig) -> None:
         config.address,
         lambda server: memory_pb2_grpc.add_MemoryDaemonServicer_to_server(service, server),
         [SERVICE_NAME],
+        interceptors=secret_interceptor(config.secret, config.address),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

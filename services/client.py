@@ -10,17 +10,22 @@
 Sampling keywords are the fields of pagedserve.v1.SamplingParams (max_tokens, temperature, top_p, top_k,
 min_p, repetition_penalty, presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos,
 logprobs). Errors come as grpc.RpcError with the server's status and message.
+
+A frontend that requires a bearer token or serves TLS takes `Client(address, token=..., tls_ca="ca.pem")`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from services.common.rpc import CHANNEL_OPTIONS, wait_for_health
+from services.common.auth import API_TOKEN_ENV, bearer_metadata
+from services.common.rpc import open_channel, wait_for_health
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -45,10 +50,22 @@ def generate_request(
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout_s: float | None = None) -> None:
+    """token: the frontend's bearer token ($PAGEDSERVE_API_TOKEN by default); tls_ca: a PEM file of the CA
+    that signed its certificate, for a frontend serving TLS."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout_s: float | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.credentials = tls_credentials(tls_ca)
+        self.metadata = bearer_metadata(token or os.environ.get(API_TOKEN_ENV))
+        self._channel = open_channel(address, self.credentials)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -62,18 +79,31 @@ class Client:
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Block until the server reports a worker up; raise TimeoutError otherwise."""
-        wait_for_health(self.address, timeout_s, service="pagedserve.v1.Generation")
+        wait_for_health(
+            self.address, timeout_s, service="pagedserve.v1.Generation", credentials=self.credentials
+        )
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[generation_pb2.GenerateResponse]:
         """One GenerateResponse per step, with text and token deltas; the last has finish_reason and usage."""
-        yield from self._stub.Generate(generate_request(prompt, **kwargs), timeout=self.timeout_s)
+        request = generate_request(prompt, **kwargs)
+        yield from self._stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> generation_pb2.GenerateResponse:
-        return self._stub.Complete(generate_request(prompt, **kwargs), timeout=self.timeout_s)
+        return self._stub.Complete(
+            generate_request(prompt, **kwargs), timeout=self.timeout_s, metadata=self.metadata
+        )
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = generation_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self._stub.Tokenize(request, timeout=self.timeout_s).token_ids)
+        return list(self._stub.Tokenize(request, timeout=self.timeout_s, metadata=self.metadata).token_ids)
 
     def model_info(self) -> generation_pb2.ModelInfo:
-        return self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        request = generation_pb2.GetModelInfoRequest()
+        return self._stub.GetModelInfo(request, timeout=self.timeout_s, metadata=self.metadata)
+
+
+def tls_credentials(ca_file: str | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the CA in ca_file (PEM), or None for a plaintext channel."""
+    if ca_file is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())

@@ -1,10 +1,14 @@
 """`pagedserve up`: the daemon, the workers and the frontend as separate OS processes on this machine.
 
-Internal services talk over unix sockets in a private run folder; only the frontend listens on TCP. Each
-child starts only after the one it needs reports SERVING through grpc.health.v1, and every line a child
-prints comes out prefixed with its name. Ctrl-C or SIGTERM drains the frontend, then stops the workers and
-the daemon; children also get SIGTERM if this process dies (PR_SET_PDEATHSIG), so none is orphaned. If a
-child dies, the launcher says which one and why, and stops the rest.
+Internal services talk over unix sockets in a private run folder; only the frontend listens on TCP, with
+TLS and a bearer token if asked. The internal calls carry a shared secret made fresh for each run and handed
+to the children in their environment. Each child starts only after the one it needs reports SERVING through
+grpc.health.v1, and every line a child prints comes out prefixed with its name. Ctrl-C or SIGTERM drains
+the frontend, then stops the workers and the daemon; children also get SIGTERM if this process dies
+(PR_SET_PDEATHSIG), so none is orphaned. If a child dies, the launcher says which one and why, and starts
+it again: a worker re-attaches to the daemon's pool, whose cached prefixes outlive it, and after a daemon
+restart the workers attach to the new one. A child that keeps dying (RESTART_LIMIT times in a minute), or
+any death under --no-restart, stops the whole stack.
 
 Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
 `{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,10 +31,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from services.client import tls_credentials
+from services.common.auth import SECRET_ENV
 from services.common.metrics import METRICS_HOST, metrics_url
 from services.common.rpc import wait_for_health
 from services.common.sizes import parse_bytes
@@ -40,61 +50,98 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+RESTART_LIMIT = 5
+
+
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen[bytes]
+    args: list[str]
     address: str
+    health_service: str
+    credentials: grpc.ChannelCredentials | None
+    proc: subprocess.Popen[bytes] | None = None
+    deaths: list[float] = field(default_factory=list)  # when it died, for the restart limit
 
     def exit_reason(self) -> str:
+        assert self.proc is not None
         code = self.proc.returncode
         return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
+    def dead(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
 
 class Launcher:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, env: dict[str, str]) -> None:
         self.run_dir = run_dir
+        self.env = env
         self.children: list[Child] = []
         self._print_lock = threading.Lock()
 
     def start(
-        self, name: str, args: list[str], address: str, health_service: str = "", timeout_s: float = 600
+        self,
+        name: str,
+        args: list[str],
+        address: str,
+        health_service: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> Child:
-        command = [sys.executable, "-m", "services.cli", *args]
+        child = Child(name, args, address, health_service, credentials)
+        self.children.append(child)
+        self.launch(child)
+        return child
+
+    def launch(self, child: Child, timeout_s: float = 600) -> None:
+        """Start the child's process and wait until it reports SERVING."""
+        command = [sys.executable, "-m", "services.cli", *child.args]
         # A session of its own: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
-        proc = subprocess.Popen(
+        child.proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            env=self.env,
             preexec_fn=_die_with_parent,
             start_new_session=True,
         )
-        child = Child(name, proc, address)
-        self.children.append(child)
-        threading.Thread(target=self._relay, args=(child,), name=f"log-{name}", daemon=True).start()
+        threading.Thread(
+            target=self._relay, args=(child, child.proc), name=f"log-{child.name}", daemon=True
+        ).start()
         deadline = time.monotonic() + timeout_s
         while True:
             dead = self.first_dead()  # this child, or one started before it
             if dead is not None:
                 raise ChildDied(dead)
             try:
-                wait_for_health(address, timeout_s=1.0, service=health_service)
-                return child
+                wait_for_health(child.address, 1.0, child.health_service, child.credentials)
+                return
             except TimeoutError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not report SERVING within {timeout_s:.0f}s") from None
+                    raise TimeoutError(
+                        f"{child.name} did not report SERVING within {timeout_s:.0f}s"
+                    ) from None
+
+    def restart(self, child: Child) -> None:
+        """Start a dead child again, unless it died RESTART_LIMIT times within a minute."""
+        now = time.monotonic()
+        child.deaths = [t for t in child.deaths if now - t < 60.0] + [now]
+        if len(child.deaths) >= RESTART_LIMIT:
+            raise ChildDied(child, f"; it died {len(child.deaths)} times within a minute")
+        self.say(f"{child.name} {child.exit_reason()}; starting it again")
+        self.launch(child)
+        self.say(f"{child.name} is back")
 
     def say(self, message: str) -> None:
         with self._print_lock:
             print(f"{'up':>9} | {message}", flush=True)
 
     def first_dead(self) -> Child | None:
-        return next((child for child in self.children if child.proc.poll() is not None), None)
+        return next((child for child in self.children if child.dead()), None)
 
     def stop_all(self, timeout_s: float = 20.0) -> None:
         """Stop in reverse order of start: the frontend drains first, the daemon goes last."""
         for child in reversed(self.children):
-            if child.proc.poll() is None:
+            if child.proc is not None and child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
                 try:
                     child.proc.wait(timeout=timeout_s)
@@ -103,18 +150,18 @@ class Launcher:
                     child.proc.kill()
                     child.proc.wait()
 
-    def _relay(self, child: Child) -> None:
-        assert child.proc.stdout is not None
-        for raw in child.proc.stdout:
+    def _relay(self, child: Child, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             with self._print_lock:
                 print(f"{child.name:>9} | {line}", flush=True)
 
 
 class ChildDied(RuntimeError):
-    def __init__(self, child: Child) -> None:
+    def __init__(self, child: Child, why: str = "") -> None:
         self.child = child
-        super().__init__(f"{child.name} {child.exit_reason()}")
+        super().__init__(f"{child.name} {child.exit_reason()}{why}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,19 +180,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-memory", type=parse_bytes, default=2**30, help="the KV pool's size (default: 1GiB)"
     )
     parser.add_argument("--max-batched-tokens", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument(
         "--no-metrics", action="store_true", help="serve no Prometheus metrics (default: each process does)"
     )
     parser.add_argument(
         "--run-dir", type=Path, help="where the internal unix sockets go (default: a new temp dir)"
     )
+    parser.add_argument("--no-restart", action="store_true", help="stop the stack when a child dies")
+    parser.add_argument("--api-token-file", help="the frontend requires this bearer token")
+    parser.add_argument(
+        "--tls-cert", help="the frontend serves TLS with this PEM certificate (and --tls-key)"
+    )
+    parser.add_argument("--tls-key", help="the PEM private key of --tls-cert")
     parser.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pagedserve-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    launcher = Launcher(run_dir)
+    # Every child inherits the run's shared secret; one already set in the environment is kept.
+    env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)}
+    launcher = Launcher(run_dir, env)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -161,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
         while not stop.wait(0.2):
             dead = launcher.first_dead()
             if dead is not None:
-                raise ChildDied(dead)
+                if args.no_restart:
+                    raise ChildDied(dead)
+                launcher.restart(dead)
         launcher.say("stopping: the frontend drains first")
         return 0
     except (ChildDied, TimeoutError) as exc:
@@ -202,15 +260,21 @@ def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> 
             *model,
             *common,
         ]
-        if args.max_batched_tokens:
-            worker += ["--max-batched-tokens", str(args.max_batched_tokens)]
+        for flag in ("max_batched_tokens", "max_num_seqs"):
+            if getattr(args, flag):
+                worker += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         worker_flags, worker_metrics = metrics()
         launcher.start(f"worker-{i}", worker + worker_flags, worker_address)
         workers.append({"name": f"worker-{i}", "address": worker_address, "metrics": worker_metrics})
     frontend_flags, frontend_metrics = metrics()  # picked just before use: a free port may not stay free
     frontend = ["frontend", "--address", address, *frontend_flags, *model, *common]
     frontend += [arg for worker in workers for arg in ("--worker", worker["address"])]
-    launcher.start("frontend", frontend, address, health_service="pagedserve.v1.Generation")
+    for flag in ("api_token_file", "tls_cert", "tls_key"):
+        if getattr(args, flag):
+            frontend += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    # The launcher checks the frontend's health over TLS too, trusting its own (self-signed) certificate.
+    health_credentials = tls_credentials(args.tls_cert)
+    launcher.start("frontend", frontend, address, "pagedserve.v1.Generation", health_credentials)
     return {
         "frontend": {"address": address, "metrics": frontend_metrics},
         "daemon": {"address": daemon_address, "metrics": daemon_metrics},

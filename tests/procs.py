@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import json
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -12,9 +15,48 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from services.client import tls_credentials
+from services.common.auth import SECRET_ENV, secret_metadata
 from services.common.rpc import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
+# Every process the tests start inherits this secret, as `pagedserve up` hands its children one.
+SECRET = os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(16))
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _WithSecret(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the stack's shared secret to every call, as the stack's own processes do."""
+
+    def _add(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(details.metadata or ()), *secret_metadata(SECRET)]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)  # fmt: skip
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
+
+
+def internal_channel(address: str) -> grpc.Channel:
+    """A channel to a daemon or worker, carrying the shared secret."""
+    return grpc.intercept_channel(grpc.insecure_channel(address), _WithSecret())
 
 
 @dataclass
@@ -170,8 +212,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_stack(run_dir: Path, *extra: str, timeout_s: float = 300) -> Stack:
-    """Start `pagedserve up` on a free port and wait until its frontend has a worker up."""
+def start_stack(run_dir: Path, *extra: str, timeout_s: float = 300, tls_ca: Path | None = None) -> Stack:
+    """Start `pagedserve up` on a free port and wait until its frontend has a worker up.
+
+    tls_ca: the frontend serves TLS with a certificate this CA file vouches for.
+    """
     address = f"127.0.0.1:{free_port()}"
     host, port = address.split(":")
     command = [sys.executable, "-m", "services.cli", "up", "--host", host, "--port", port]
@@ -186,5 +231,6 @@ def start_stack(run_dir: Path, *extra: str, timeout_s: float = 300) -> Stack:
             stack.stop()
             raise AssertionError(f"pagedserve up did not come up:\n{stack.log()}")
         time.sleep(0.1)
-    wait_for_health(address, timeout_s=10, service="pagedserve.v1.Generation")
+    credentials = tls_credentials(str(tls_ca)) if tls_ca else None
+    wait_for_health(address, timeout_s=10, service="pagedserve.v1.Generation", credentials=credentials)
     return stack

@@ -19,10 +19,20 @@ from services.common.rpc import CHANNEL_OPTIONS
 
 
 async def run_load(
-    address: str, requests: list[BenchRequest], *, concurrency: int | None, label: str
+    address: str,
+    requests: list[BenchRequest],
+    *,
+    concurrency: int | None,
+    label: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[RequestRecord]:
     """Send every request; with a concurrency, keep that many in flight; else follow their arrival times."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         progress = tqdm(total=len(requests), desc=label, unit="req", leave=False)
         slots = asyncio.Semaphore(concurrency or len(requests))
@@ -33,7 +43,7 @@ async def run_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with slots:
-                record = await _one(stub, request)
+                record = await _one(stub, request, metadata)
             progress.update()
             return record
 
@@ -42,14 +52,16 @@ async def run_load(
     return list(records)
 
 
-async def _one(stub: generation_pb2_grpc.GenerationStub, request: BenchRequest) -> RequestRecord:
+async def _one(
+    stub: generation_pb2_grpc.GenerationStub, request: BenchRequest, metadata: tuple[tuple[str, str], ...]
+) -> RequestRecord:
     record = RequestRecord(request.index, len(request.prompt_ids), sent=time.perf_counter())
     sampling = generation_pb2.SamplingParams(
         max_tokens=request.max_tokens, temperature=0.0, ignore_eos=request.ignore_eos
     )
     message = generation_pb2.GenerateRequest(prompt_token_ids=request.prompt_ids, sampling=sampling)
     try:
-        async for response in stub.Generate(message):
+        async for response in stub.Generate(message, metadata=metadata):
             now = time.perf_counter()
             record.token_times += [now] * len(response.token_ids)
             if response.HasField("usage"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from services.client import DEFAULT_ADDRESS
+from services.client import DEFAULT_ADDRESS, Client
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,13 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int)  # fmt: skip
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--token", help="the frontend's bearer token (default: $PAGEDSERVE_API_TOKEN)")
+    parser.add_argument("--tls-ca", help="a PEM CA file: reach a frontend that serves TLS")  # fmt: skip
+
+
+def client_from_args(args: argparse.Namespace) -> Client:
+    return Client(args.address, token=args.token, tls_ca=args.tls_ca)
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,16 +11,13 @@ import json
 import sys
 from pathlib import Path
 
-import grpc
-
-from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import generation_pb2
 from services.bench import report
 from services.bench.load import run_load
 from services.bench.results import Slo, summarize
 from services.bench.scrape import KvSampler
 from services.bench.workloads import WorkloadSpec, make_requests
-from services.client import DEFAULT_ADDRESS
-from services.common.rpc import wait_for_health
+from services.client import DEFAULT_ADDRESS, Client
 
 
 def _levels(text: str) -> list[float]:
@@ -60,23 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("bench-results"), help="folder for bench.json, bench.png"
     )
     parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the stack to come up")
+    parser.add_argument("--token", help="the frontend's bearer token (default: $PAGEDSERVE_API_TOKEN)")
+    parser.add_argument("--tls-ca", help="a PEM CA file: reach a frontend that serves TLS")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.wait:
-        wait_for_health(args.address, args.wait, service="pagedserve.v1.Generation")
-    with grpc.insecure_channel(args.address) as channel:
-        info = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest())
+    with Client(args.address, token=args.token, tls_ca=args.tls_ca) as client:
+        if args.wait:
+            client.wait_ready(args.wait)
+        info = client.model_info()
+        connection = {"credentials": client.credentials, "metadata": client.metadata}
     spec = WorkloadSpec.named(args.workload, args.input_len, args.output_len, args.prefix_len)
     by_rate = args.rate is not None
     levels = args.rate or args.concurrency or [4.0]
     load_name = "rate (req/s)" if by_rate else "concurrency"
     vocab = range(min(100, info.vocab_size - 1), info.vocab_size)  # past the special tokens at the start
+    # A seed per level: a later run must not find the earlier one's prompts in the prefix cache.
     workloads = {
         level: make_requests(
-            spec, args.requests, vocab=vocab, rate=level if by_rate else None, seed=args.seed
+            spec, args.requests, vocab=vocab, rate=level if by_rate else None, seed=args.seed + i
         )
-        for level in levels
+        for i, level in enumerate(levels)
     }
     metrics = list(args.metrics) + _worker_metrics(args.endpoints)
     slo = Slo(args.slo_ttft, args.slo_tpot)
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     for level, requests in workloads.items():
         sampler = KvSampler(metrics)
         concurrency = None if by_rate else int(level)
-        recs = asyncio.run(_measure(args.address, requests, concurrency, sampler, f"pagedserve {level:g}"))
+        label = f"pagedserve {level:g}"
+        recs = asyncio.run(_measure(args.address, requests, concurrency, sampler, label, connection))
         runs.append(
             {"system": "pagedserve", "load": level, "summary": summarize(recs, slo), "kv": sampler.summary()}
         )
@@ -105,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _measure(
-    address: str, requests: list, concurrency: int | None, sampler: KvSampler, label: str
+    address: str, requests: list, concurrency: int | None, sampler: KvSampler, label: str, connection: dict
 ) -> list:
     async with sampler.running():
-        return await run_load(address, requests, concurrency=concurrency, label=label)
+        return await run_load(address, requests, concurrency=concurrency, label=label, **connection)
 
 
 def _worker_metrics(endpoints: Path | None) -> list[str]:

@@ -7,8 +7,7 @@ import sys
 
 import grpc
 
-from services.client import Client
-from services.commands import add_client_arguments, sampling_from_args
+from services.commands import add_client_arguments, client_from_args, sampling_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
-    with Client(args.address) as client:
+    with client_from_args(args) as client:
         if args.wait:
             client.wait_ready(args.wait)
         while True:

@@ -10,8 +10,7 @@ import sys
 
 import grpc
 
-from services.client import Client
-from services.commands import add_client_arguments, sampling_from_args
+from services.commands import add_client_arguments, client_from_args, sampling_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with Client(args.address) as client:
+    with client_from_args(args) as client:
         try:
             if args.wait:
                 client.wait_ready(args.wait)

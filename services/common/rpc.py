@@ -8,7 +8,7 @@ so a half-open connection must not linger.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -50,17 +50,28 @@ class RunningServer:
 
 
 async def start_server(
-    address: str, register: Callable[[grpc.aio.Server], None], service_names: Iterable[str]
+    address: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
-    """Start a grpc.aio server on address ("host:port" or "unix:/path") with health for service_names."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    """Start a grpc.aio server on address ("host:port" or "unix:/path") with health for service_names.
+
+    interceptors (credential checks) run before the error interceptor; credentials make it serve TLS.
+    """
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS)
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in service_names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address}: {exc}") from exc
     await server.start()
@@ -70,11 +81,20 @@ async def start_server(
     return RunningServer(server, health, address)
 
 
-def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel with our options: TLS when credentials are given."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
+def wait_for_health(
+    address: str, timeout_s: float, service: str = "", credentials: grpc.ChannelCredentials | None = None
+) -> None:
     """Block until the server at address reports SERVING; raise TimeoutError after timeout_s."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

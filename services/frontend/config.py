@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
 
 from services.common.metrics import check_metrics_port
 
@@ -17,6 +20,10 @@ class FrontendConfig:
     default_max_tokens: int = 256
     shutdown_grace_s: float = 10.0
     metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
+    secret: str | None = field(default=None, repr=False)  # presented to workers (services.common.auth)
+    api_token: str | None = field(default=None, repr=False)  # clients must present it as a bearer token
+    tls_cert: str | None = None  # PEM files: with both, the public port serves TLS
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -24,3 +31,11 @@ class FrontendConfig:
         if self.max_running < 1 or self.max_waiting < 0 or self.default_max_tokens < 1:
             raise ValueError("max_running and default_max_tokens must be positive, max_waiting not negative")
         check_metrics_port(self.metrics_port)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        pair = (Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())
+        return grpc.ssl_server_credentials([pair])

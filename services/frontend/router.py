@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.auth import secret_metadata
 from services.common.rpc import CHANNEL_OPTIONS
 from services.common.sampling import SamplingOptions
 
@@ -29,8 +30,11 @@ class WorkerDown(ConnectionError):
 
 
 class WorkerLink:
-    def __init__(self, address: str, model_id: str, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self, address: str, model_id: str, on_change: Callable[[], None], secret: str | None
+    ) -> None:
         self.address = address
+        self._metadata = secret_metadata(secret)
         self.model_id = model_id
         self.up = False
         self.info: worker_pb2.WorkerInfo | None = None
@@ -91,7 +95,7 @@ class WorkerLink:
     async def _session(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            self.info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+            self.info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5, metadata=self._metadata)
             if self.info.model_id != self.model_id:
                 log.error(
                     "worker %s serves %s, not %s; not routing to it",
@@ -102,7 +106,7 @@ class WorkerLink:
                 await asyncio.sleep(5)
                 return
             self._outbox = asyncio.Queue()
-            call = stub.Connect(self._outgoing())
+            call = stub.Connect(self._outgoing(), metadata=self._metadata)
             self.up = True
             log.info("worker %s (%s) is up", self.address, self.info.worker_name)
             self._on_change()
@@ -138,10 +142,16 @@ class WorkerLink:
 
 
 class Router:
-    def __init__(self, addresses: Sequence[str], model_id: str, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        model_id: str,
+        on_change: Callable[[], None],
+        secret: str | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("the frontend needs at least one worker address")
-        self.links = [WorkerLink(address, model_id, on_change) for address in addresses]
+        self.links = [WorkerLink(address, model_id, on_change, secret) for address in addresses]
 
     @property
     def any_up(self) -> bool:

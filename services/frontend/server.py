@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.common.auth import API_TOKEN_ENV, bearer_interceptor, read_secret
 from services.common.default_model import resolve_model
 from services.common.logs import setup_logging
 from services.common.metrics import serve_metrics
@@ -38,7 +39,7 @@ async def serve(config: FrontendConfig) -> None:
     spec = ModelSpec.from_pretrained(model_dir)
     model_id = model_identity(model_dir)
     workers_changed = asyncio.Event()
-    router = Router(config.workers, model_id, workers_changed.set)
+    router = Router(config.workers, model_id, workers_changed.set, secret=config.secret)
     builder = RequestBuilder(
         tokenizer,
         vocab_size=spec.vocab_size,
@@ -66,7 +67,13 @@ async def serve(config: FrontendConfig) -> None:
         )
         reflection.enable_server_reflection(names, server)
 
-    running = await start_server(config.address, register, [])
+    running = await start_server(
+        config.address,
+        register,
+        [],
+        interceptors=bearer_interceptor(config.api_token),
+        credentials=config.server_credentials(),
+    )
 
     async def track_health() -> None:
         """Generation is SERVING while at least one worker is up."""
@@ -116,6 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.metrics_port,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
     )
+    parser.add_argument("--api-token-file", help="require this bearer token (default: $PAGEDSERVE_API_TOKEN)")
+    parser.add_argument("--tls-cert", help="a PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    parser.add_argument("--secret-file", help="the stack's shared secret (default: $PAGEDSERVE_SECRET)")
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
 
@@ -128,6 +139,10 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_waiting=args.max_waiting,
         default_max_tokens=args.default_max_tokens,
         metrics_port=args.metrics_port,
+        secret=read_secret(args.secret_file),
+        api_token=read_secret(args.api_token_file, API_TOKEN_ENV),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
 

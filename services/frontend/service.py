@@ -22,7 +22,11 @@ from services.frontend.router import Router
 from services.frontend.validation import PreparedRequest, RequestBuilder
 
 Reason = generation_pb2.GenerateResponse.FinishReason
-_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+# A worker's refusal, as the exception the error interceptor turns back into the same status.
+_WORKER_ERRORS: dict[int, type[Exception]] = {
+    grpc.StatusCode.INVALID_ARGUMENT.value[0]: ValueError,
+    grpc.StatusCode.UNAVAILABLE.value[0]: ConnectionError,
+}
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -99,7 +103,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     if isinstance(output, Exception):
                         raise output
                     if output.error:
-                        raise (ValueError if output.error_code == _INVALID else RuntimeError)(output.error)
+                        raise _WORKER_ERRORS.get(output.error_code, RuntimeError)(output.error)
                     completion_tokens += len(output.token_ids)
                     delta = text.push(output.token_ids)
                     reason = output.finish_reason

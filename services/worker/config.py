@@ -29,6 +29,7 @@ class WorkerConfig:
     kernels: Literal["auto", "torch", "cupy"] = "auto"  # auto: the CuPy kernels on CUDA, torch on the CPU
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    secret: str | None = field(default=None, repr=False)  # the stack's shared secret (services.common.auth)
     metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -55,7 +56,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
-    error: str | None = None  # set when the engine failed the request
+    error: str | None = None  # set when the engine refused or failed the request
+    error_code: grpc.StatusCode = grpc.StatusCode.INTERNAL  # for error: UNAVAILABLE when the daemon is gone
 
     def to_pb(self, request_id: str) -> worker_pb2.RequestOutput:
         """As the Worker contract carries it; an engine failure is INTERNAL."""
@@ -68,7 +70,7 @@ class RequestOutput:
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
             error=self.error or "",
-            error_code=grpc.StatusCode.INTERNAL.value[0] if self.error else 0,
+            error_code=self.error_code.value[0] if self.error else 0,
         )
 
 
@@ -107,6 +109,8 @@ class Engine:
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[Hashable] = []
+        self._commands: list[tuple[Callable[[], list[RequestOutput]], Future[None]]] = []
+        self.suspended: str | None = None  # why new requests are refused: the KV pool is out of reach
         self._arrivals = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -116,7 +120,10 @@ class Engine:
     def submit(
         self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
     ) -> None:
-        """Queue a request; raises ValueError for a prompt this model cannot run."""
+        """Queue a request; raises ValueError for a prompt this model cannot run, and ConnectionError while
+        the KV pool is out of reach."""
+        if self.suspended is not None:
+            raise ConnectionError(self.suspended)
         spec = self.model.spec
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -142,6 +149,29 @@ class Engine:
         with self._wake:
             self._aborts.extend(keys)
             self._wake.notify()
+
+    def suspend(self, reason: str) -> Future[None]:
+        """Fail every live request with UNAVAILABLE and refuse new ones, until resume: the pool is gone."""
+
+        def command() -> list[RequestOutput]:
+            self.suspended = reason
+            return self._fail_all(reason, grpc.StatusCode.UNAVAILABLE)
+
+        return self._command(command)
+
+    def resume(self, kv: KVCache) -> Future[None]:
+        """Run on a new KV cache (the daemon came back): call after suspend."""
+
+        def command() -> list[RequestOutput]:
+            assert not self._live, "suspend first: the requests on the old pool must be gone"
+            self.kv = self.scheduler.kv = kv
+            if self.graphs is not None:
+                self.graphs.kv = kv.kv
+                self.graphs.capture()  # the graphs baked in the old pool's address
+            self.suspended = None
+            return []
+
+        return self._command(command)
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests."""
@@ -205,7 +235,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether a request is live or queued (call from the engine's own thread)."""
-        return bool(self._live or self._inbox or self._aborts)
+        return bool(self._live or self._inbox or self._aborts or self._commands)
 
     def run_until_done(self) -> list[RequestOutput]:
         """Step until every submitted request finishes (for tests and benchmarks, without the thread)."""
@@ -223,6 +253,10 @@ class Engine:
             steps, started = self.steps, time.perf_counter()
             try:
                 outputs = self.step()
+            except ConnectionError as exc:  # the memory daemon went away mid-step: the worker re-attaches
+                log.error("lost the KV pool: %s", exc)
+                self.suspended = f"the KV memory daemon is out of reach ({exc}); retry"
+                outputs = self._fail_all(self.suspended, grpc.StatusCode.UNAVAILABLE)
             except Exception:
                 log.exception("engine step failed; failing every live request")
                 outputs = self._fail_all("the engine failed on this request's step; see the worker log")
@@ -241,11 +275,22 @@ class Engine:
         if ran and self.on_step is not None:
             self.on_step(seconds, self.last_batch[0])
 
+    def _command(self, command: Callable[[], list[RequestOutput]]) -> Future[None]:
+        done: Future[None] = Future()
+        with self._wake:
+            self._commands.append((command, done))
+            self._wake.notify()
+        return done
+
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._wake:
+            commands, self._commands = self._commands, []
             arrived, self._inbox = self._inbox, []
             aborted, self._aborts = self._aborts, []
         outputs = []
+        for command, done in commands:
+            outputs += command()
+            done.set_result(None)
         for seq in arrived:
             if seq.key in self._live:
                 outputs.append(
@@ -271,12 +316,23 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        error: str | None = None,
+        code: grpc.StatusCode = grpc.StatusCode.INTERNAL,
+    ) -> RequestOutput:
         self.scheduler.finish(seq, reason)
-        return self._finished(seq, [], [], error)
+        return self._finished(seq, [], [], error, code)
 
     def _finished(
-        self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob], error: str | None = None
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob],
+        error: str | None = None,
+        code: grpc.StatusCode = grpc.StatusCode.INTERNAL,
     ) -> RequestOutput:
         del self._live[seq.key]
         self._scheduled.discard(seq.key)
@@ -288,7 +344,10 @@ class Engine:
             prompt_tokens=seq.prompt_len,
             cached_prompt_tokens=seq.cached_prompt_tokens,
             error=error,
+            error_code=code,
         )
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
-        return [self._finish(seq, FinishReason.ABORT, message) for seq in list(self._live.values())]
+    def _fail_all(
+        self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    ) -> list[RequestOutput]:
+        return [self._finish(seq, FinishReason.ABORT, message, code) for seq in list(self._live.values())]

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
 from kernels import KernelBackend, TorchBackend
 from memory_daemon.shape import PoolShape
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.auth import read_secret, secret_interceptor
 from services.common.default_model import resolve_model
 from services.common.logs import setup_logging
 from services.common.metrics import serve_metrics
@@ -23,6 +28,7 @@ from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.engine import Engine, EngineConfig
 from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache
+from services.worker.kv.remote import DaemonError
 from services.worker.metrics import instrument
 from services.worker.models import CausalLM
 from services.worker.models.spec import model_identity
@@ -35,6 +41,7 @@ log = logging.getLogger(__name__)
 class LoadedWorker:
     engine: Engine
     info: worker_pb2.WorkerInfo
+    attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
 
 
 def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
@@ -45,8 +52,11 @@ def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
     return TorchBackend()
 
 
-def load_worker(config: WorkerConfig) -> LoadedWorker:
-    """Load the model and attach its KV cache: everything but the server."""
+def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None) -> LoadedWorker:
+    """Load the model and attach its KV cache: everything but the server.
+
+    on_lost is called, from a background thread, if the memory daemon goes away.
+    """
     if config.threads:
         torch.set_num_threads(config.threads)
     model_dir = resolve_model(config.model)
@@ -58,18 +68,24 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(config.torch_dtype).removeprefix("torch.")
     shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, config.page_size)  # type: ignore[arg-type]
-    kv: KVCache
+    attach = None
     if config.daemon is None:
-        kv = LocalKVCache(shape, config.kv_memory_bytes // shape.page_bytes, model_id=model_id, device=device)
+        kv: KVCache = LocalKVCache(
+            shape, config.kv_memory_bytes // shape.page_bytes, model_id=model_id, device=device
+        )
     else:
-        kv = DaemonKVCache(
+        attach = functools.partial(
+            DaemonKVCache,
             config.daemon,
             model_id=model_id,
             shape=shape,
             worker_name=config.name,
             memory_bytes=config.kv_memory_bytes,
             device=config.device,
+            secret=config.secret,
+            on_lost=on_lost,
         )
+        kv = attach()
     log.info(
         "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages %s",
         model_dir, spec.model_type, f"{spec.num_parameters / 1e6:.0f}M", config.device, dtype_name,
@@ -90,11 +106,37 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     if device.type == "cuda" and config.cuda_graphs:
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()
-    return LoadedWorker(Engine(model, kv, config.engine, graphs=graphs), info)
+    return LoadedWorker(Engine(model, kv, config.engine, graphs=graphs), info, attach)
+
+
+async def keep_attached(
+    engine: Engine, attach: Callable[[], KVCache], lost: asyncio.Event, health: health_aio.HealthServicer
+) -> None:
+    """When the daemon goes away, fail what runs (UNAVAILABLE) and report NOT_SERVING, then lease anew once
+    it is back."""
+    while True:
+        await lost.wait()
+        lost.clear()
+        log.warning("the memory daemon went away: failing running requests, waiting to re-attach")
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.wrap_future(engine.suspend("the KV memory daemon went away; retry"))
+        old = engine.kv
+        while True:
+            try:
+                kv = await asyncio.to_thread(attach)
+                break
+            except DaemonError:
+                await asyncio.sleep(0.5)
+        await asyncio.wrap_future(engine.resume(kv))
+        await asyncio.to_thread(old.close)
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("re-attached to the memory daemon: %d pages", kv.num_pages - 1)
 
 
 async def serve(config: WorkerConfig) -> None:
-    loaded = await asyncio.to_thread(load_worker, config)
+    loop = asyncio.get_running_loop()
+    lost = asyncio.Event()
+    loaded = await asyncio.to_thread(load_worker, config, lambda: loop.call_soon_threadsafe(lost.set))
     engine = loaded.engine
     service = WorkerService(engine, loaded.info, asyncio.get_running_loop())
     if config.metrics_port:
@@ -105,9 +147,12 @@ async def serve(config: WorkerConfig) -> None:
         config.address,
         lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(service, server),
         [SERVICE_NAME],
+        interceptors=secret_interceptor(config.secret, config.address),
     )
+    reattach = None
+    if loaded.attach is not None:
+        reattach = asyncio.create_task(keep_attached(engine, loaded.attach, lost, running.health))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     log.info("worker %r serving on %s", config.name, running.address)
@@ -116,6 +161,8 @@ async def serve(config: WorkerConfig) -> None:
         log.info("shutting down")
         await running.stop(grace_s=5.0)
     finally:
+        if reattach is not None:
+            reattach.cancel()
         await asyncio.to_thread(engine.stop)
         engine.kv.close()
 
@@ -164,6 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.metrics_port,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
     )
+    parser.add_argument("--secret-file", help="the stack's shared secret (default: $PAGEDSERVE_SECRET)")
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
 
@@ -187,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             prefix_caching=not args.no_prefix_caching,
         ),
         metrics_port=args.metrics_port,
+        secret=read_secret(args.secret_file),
     )
 
 

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _ABORT = generation_pb2.GenerateResponse.ABORT
-_REFUSED = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -98,14 +97,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         async for request in requests:
             refused = []
             for submit in request.submit:
-                error = self._submit(stream, submit, live)
-                if error:
+                refusal = self._submit(stream, submit, live)
+                if refusal is not None:
+                    error, code = refusal
                     refused.append(
                         worker_pb2.RequestOutput(
                             request_id=submit.request_id,
                             finish_reason=_ABORT,
                             error=error,
-                            error_code=_REFUSED,
+                            error_code=code.value[0],
                         )
                     )
             if refused:
@@ -113,8 +113,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if request.abort:
                 self._engine.abort((stream, request_id) for request_id in request.abort if request_id in live)
 
-    def _submit(self, stream: int, submit: worker_pb2.Submit, live: set[str]) -> str | None:
-        """Queue one request; return why it was refused, or None.
+    def _submit(
+        self, stream: int, submit: worker_pb2.Submit, live: set[str]
+    ) -> tuple[str, grpc.StatusCode] | None:
+        """Queue one request; return why it was refused and the status that says so, or None.
 
         A submit that cannot be answered by its own id breaks the protocol and ends the stream.
         """
@@ -130,7 +132,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 (stream, submit.request_id), submit.prompt_token_ids, options, submit.priority
             )
         except ValueError as exc:
-            return str(exc)
+            return str(exc), grpc.StatusCode.INVALID_ARGUMENT
+        except ConnectionError as exc:  # the KV pool is out of reach for now
+            return str(exc), grpc.StatusCode.UNAVAILABLE
         live.add(submit.request_id)
         return None
 

@@ -6,13 +6,12 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from memory_daemon.stats import PoolCounts
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
-from tests.procs import KVAgent, start_daemon
+from tests.procs import KVAgent, internal_channel, start_daemon
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +41,7 @@ def test_cuda_ipc_round_trip_between_two_workers(run_dir: Path, dtype: str) -> N
         assert a("publish", tokens=list(range(8)), pages=pages_a[:2]) == 2
 
         a.kill()
-        with grpc.insecure_channel(daemon.address) as channel:
+        with internal_channel(daemon.address) as channel:
             stub = memory_pb2_grpc.MemoryDaemonStub(channel)
             (pool,) = stub.GetStats(memory_pb2.GetStatsRequest()).pools
             assert pool.storage.startswith("cuda:GPU-")

@@ -14,6 +14,7 @@ import torch
 
 from memory_daemon.prefix import page_keys
 from memory_daemon.shape import PoolShape
+from services.common.auth import read_secret
 from services.worker.kv import DaemonKVCache
 
 SHAPE = PoolShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
@@ -58,8 +59,9 @@ def main() -> None:
     address, name, model_id, num_pages, device, dtype = sys.argv[1:]
     shape = dataclasses.replace(SHAPE, dtype=dtype)
     cache = DaemonKVCache(
-        address, model_id=model_id, shape=shape, worker_name=name, num_pages=int(num_pages), device=device
-    )
+        address, model_id=model_id, shape=shape, worker_name=name, num_pages=int(num_pages), device=device,
+        secret=read_secret(None),
+    )  # fmt: skip
     print(json.dumps({"ok": "attached"}), flush=True)
     for line in sys.stdin:
         try:

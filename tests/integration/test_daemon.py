@@ -16,12 +16,12 @@ import pytest
 from memory_daemon.stats import PoolCounts
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from tests.integration.kv_agent import SHAPE
-from tests.procs import DaemonProcess, KVAgent, free_port, start_daemon
+from tests.procs import DaemonProcess, KVAgent, free_port, internal_channel, start_daemon
 
 
 @pytest.fixture
 def stub(daemon: DaemonProcess) -> Iterator[memory_pb2_grpc.MemoryDaemonStub]:
-    with grpc.insecure_channel(daemon.address) as channel:
+    with internal_channel(daemon.address) as channel:
         yield memory_pb2_grpc.MemoryDaemonStub(channel)
 
 

@@ -24,7 +24,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
 from tests.models import make_model
-from tests.procs import Stack, free_port, start_service, start_stack
+from tests.procs import Stack, free_port, internal_channel, start_service, start_stack
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
@@ -41,7 +41,7 @@ def two_workers() -> Iterator[Stack]:
 
 
 def running_on(stack: Stack, index: int) -> int:
-    with grpc.insecure_channel(stack.worker_address(index)) as channel:
+    with internal_channel(stack.worker_address(index)) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest()).running
 
 
@@ -108,8 +108,8 @@ def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
         assert frontend.stop() == 0
 
 
-def test_a_dead_child_is_named_and_the_rest_are_stopped(tmp_path: Path) -> None:
-    stack = start_stack(tmp_path, "--kv-memory", "128MiB")
+def test_under_no_restart_a_dead_child_is_named_and_the_rest_are_stopped(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, "--kv-memory", "128MiB", "--no-restart")
     worker = next(line for line in stack.survivors() if "--name worker-0" in line)
     pid = int(worker.split()[0])
     os.kill(pid, signal.SIGKILL)

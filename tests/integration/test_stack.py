@@ -23,7 +23,7 @@ from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import REPO, Stack, start_stack
+from tests.procs import REPO, Stack, internal_channel, start_stack
 
 Reason = pb.GenerateResponse.FinishReason
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -67,7 +67,7 @@ def joined(responses: list[pb.GenerateResponse]) -> tuple[str, list[int]]:
 
 
 def worker_load(stack: Stack, index: int = 0) -> worker_pb2.Load:
-    with grpc.insecure_channel(stack.worker_address(index)) as channel:
+    with internal_channel(stack.worker_address(index)) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
 
 

@@ -22,7 +22,7 @@ from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
-from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
+from tests.procs import DaemonProcess, ServiceProcess, internal_channel, start_daemon, start_worker
 
 Reason = generation_pb2.GenerateResponse.FinishReason
 
@@ -31,7 +31,7 @@ class WorkerStream:
     """One Connect stream, as a frontend holds it."""
 
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = internal_channel(address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._requests: queue.Queue[worker_pb2.WorkerRequest | None] = queue.Queue()
         self._responses = self.stub.Connect(iter(self._requests.get, None))
@@ -112,7 +112,7 @@ def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -
 
 
 def pool_counts(daemon: DaemonProcess) -> PoolCounts:
-    with grpc.insecure_channel(daemon.address) as channel:
+    with internal_channel(daemon.address) as channel:
         (pool,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
     return PoolCounts.from_pb(pool)
 
@@ -214,7 +214,7 @@ def test_a_duplicate_request_id_ends_the_stream(
     connection.close()
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request id 'twin' is already running on this stream" in caught.value.details()
-    with grpc.insecure_channel(stack[1].address) as channel:
+    with internal_channel(stack[1].address) as channel:
         wait_until_idle(worker_pb2_grpc.WorkerStub(channel))  # the first "twin" ended with its stream
 
 

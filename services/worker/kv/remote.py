@@ -22,6 +22,7 @@ from memory_daemon.export import map_pool
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from services.common.auth import secret_metadata
 from services.common.rpc import CHANNEL_OPTIONS
 from services.worker.kv.base import KVCache
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 10.0
 
 
-class DaemonError(RuntimeError):
+class DaemonError(ConnectionError):
     """The memory daemon refused a call or could not be reached."""
 
     def __init__(self, what: str, code: grpc.StatusCode, details: str) -> None:
@@ -73,8 +74,12 @@ class DaemonKVCache(KVCache):
         memory_bytes: int | None = None,
         device: str = "cpu",
         connect_timeout_s: float = 10.0,
+        secret: str | None = None,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
+        """on_lost is called (from a background thread) if the daemon ends the lease: it went away."""
         self.address = address
+        self._metadata = secret_metadata(secret)
         self.rpc_counts: Counter[str] = Counter()  # calls made after Attach, by method
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = memory_pb2_grpc.MemoryDaemonStub(self._channel)
@@ -88,7 +93,7 @@ class DaemonKVCache(KVCache):
         )
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
-            self._attach = self._stub.Attach(request)
+            self._attach = self._stub.Attach(request, metadata=self._metadata)
             attached = next(self._attach).attached
         except grpc.FutureTimeoutError:
             self._channel.close()
@@ -108,6 +113,7 @@ class DaemonKVCache(KVCache):
         self._sending = False
         self._closing = False
         self._error: DaemonError | None = None
+        self._on_lost = on_lost
         self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
         self._sender.start()
@@ -210,10 +216,12 @@ class DaemonKVCache(KVCache):
                 with self._cond:
                     self._error = DaemonError.from_rpc("Attach", exc)
                     self._cond.notify_all()
+                if self._on_lost is not None:
+                    self._on_lost()
 
     def _call(self, name: str, method: Callable[..., Any], request: Message) -> Any:
         self.rpc_counts[name] += 1
         try:
-            return method(request, timeout=RPC_TIMEOUT_S)
+            return method(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise DaemonError.from_rpc(name, exc) from None

@@ -1,0 +1,98 @@
+"""Who may call: a shared secret between the stack's own processes, and a bearer token for public clients.
+
+Internal calls (a worker to the daemon, the frontend to a worker) carry the stack's secret under the
+`x-pagedserve-secret` metadata key; the daemon and the workers refuse a call without it with
+UNAUTHENTICATED, so the daemon hands pool handles only to authenticated workers. The secret comes from
+$PAGEDSERVE_SECRET or --secret-file, never from the command line (where `ps` would show it); `pagedserve up`
+makes a fresh one per run and hands it to its children in their environment. The public frontend can
+require `authorization: Bearer <token>` instead. Health checks and reflection stay open: they reveal
+nothing, and orchestrators probe them without credentials.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "PAGEDSERVE_SECRET"
+SECRET_KEY = "x-pagedserve-secret"
+API_TOKEN_ENV = "PAGEDSERVE_API_TOKEN"
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def read_secret(path: str | Path | None, env: str = SECRET_ENV) -> str | None:
+    """The secret in the file at path, else in the environment variable; None when neither is set."""
+    if path:
+        secret = Path(path).read_text().strip()
+        if not secret:
+            raise ValueError(f"{path} is empty")
+        return secret
+    return os.environ.get(env) or None
+
+
+def secret_metadata(secret: str | None) -> Metadata:
+    """The metadata an internal call carries."""
+    return ((SECRET_KEY, secret),) if secret else ()
+
+
+def bearer_metadata(token: str | None) -> Metadata:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class CredentialInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls whose metadata lacks the expected value under key, except health and reflection."""
+
+    def __init__(self, key: str, expected: str, what: str) -> None:
+        self._key = key
+        self._expected = expected.encode()
+        self._what = what
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_METHODS):
+            return handler
+        given = dict(handler_call_details.invocation_metadata or ()).get(self._key, "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return handler
+        return _refusing(handler, f"this server needs {self._what}")
+
+
+def secret_interceptor(secret: str | None, address: str) -> Sequence[grpc.aio.ServerInterceptor]:
+    """The internal services' guard: none without a secret (with a warning off loopback)."""
+    if secret is None:
+        if not address.startswith(("unix:", "127.", "localhost", "[::1]")):
+            log.warning("no shared secret ($%s): anything that can reach %s may call it", SECRET_ENV, address)
+        return ()
+    return (CredentialInterceptor(SECRET_KEY, secret, f"the stack's shared secret (${SECRET_ENV})"),)
+
+
+def bearer_interceptor(token: str | None) -> Sequence[grpc.aio.ServerInterceptor]:
+    if token is None:
+        return ()
+    return (
+        CredentialInterceptor(
+            "authorization", f"Bearer {token}", "a bearer token: authorization: Bearer ..."
+        ),
+    )
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+    return handler._replace(**{kind: refuse for kind in kinds if getattr(handler, kind) is not None})

@@ -1,0 +1,179 @@
+"""Faults on a real stack: a worker SIGKILLed mid-stream, the daemon killed, clients vanishing under load.
+
+`pagedserve up` restarts what dies; the tests check what callers see meanwhile, that no page leaks, and
+that the stack serves again, the prefix cache included when only a worker died.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from memory_daemon.stats import PoolCounts
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.v1 import generation_pb2_grpc
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.client import generate_request
+from services.common.default_model import default_model_dir
+from services.common.rpc import wait_for_health
+from tests.procs import REPO, Stack, internal_channel, start_stack
+
+LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+PROMPT = {"messages": [{"role": "user", "content": "Tell me about the history of Paris. " * 6}]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model() -> None:
+    default_model_dir()
+
+
+def pid_of(stack: Stack, name: str) -> int:
+    line = next(
+        line for line in stack.survivors() if f"services.cli {name}" in line or f"--name {name}" in line
+    )
+    return int(line.split()[0])
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def pool(stack: Stack) -> PoolCounts:
+    with internal_channel(stack.daemon_address) as channel:
+        (counts,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
+    return PoolCounts.from_pb(counts)
+
+
+def worker_idle(stack: Stack) -> bool:
+    with internal_channel(stack.worker_address()) as channel:
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    return load.running == 0 and load.kv_pages_in_use == 0
+
+
+def no_page_held(stack: Stack) -> bool:
+    """Every page is free, idle in a worker's lease, or cached with no reference."""
+    counts = pool(stack)
+    return counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
+
+
+class Streams:
+    """Long streaming calls in threads: each records its final status and when it ended."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub, count: int) -> None:
+        self.started = threading.Barrier(count + 1)
+        self.ended: list[tuple[grpc.StatusCode, str, float]] = []
+        self.threads = [threading.Thread(target=self._run, args=(stub,)) for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
+        self.started.wait(timeout=120)  # every call has its first tokens
+
+    def _run(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+        call = stub.Generate(generate_request(**PROMPT, **LONG))
+        first = True
+        try:
+            for _ in call:
+                if first:
+                    self.started.wait(timeout=120)
+                    first = False
+            self.ended.append((grpc.StatusCode.OK, "", time.monotonic()))
+        except grpc.RpcError as exc:
+            self.ended.append((exc.code(), exc.details(), time.monotonic()))
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+def test_a_killed_worker_fails_its_streams_fast_leaks_nothing_and_comes_back(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, "--kv-memory", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            first = stub.Complete(generate_request(**PROMPT, max_tokens=8, temperature=0.0))
+            streams = Streams(stub, 4)
+            killed = time.monotonic()
+            os.kill(pid_of(stack, "worker-0"), signal.SIGKILL)
+            streams.join()
+            assert len(streams.ended) == 4
+            for code, details, ended in streams.ended:
+                assert code == grpc.StatusCode.UNAVAILABLE, details
+                assert "went away" in details
+                assert ended - killed < 2.0, f"a stream took {ended - killed:.2f}s to fail"
+            wait_for(lambda: "worker-0 is back" in stack.log(), what="the worker's restart")
+            wait_for(lambda: worker_idle(stack) and no_page_held(stack), what="every page back")
+            assert "worker-0 killed by SIGKILL; starting it again" in stack.log()
+            wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")  # the frontend reconnected
+            again = stub.Complete(generate_request(**PROMPT, max_tokens=8, temperature=0.0))
+        assert again.token_ids == first.token_ids
+        assert first.usage.cached_prompt_tokens == 0
+        assert again.usage.cached_prompt_tokens > 0  # the daemon kept the dead worker's prefix pages
+    finally:
+        assert stack.stop() == 0
+    assert not stack.survivors()
+
+
+def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, "--kv-memory", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            streams = Streams(stub, 2)
+            os.kill(pid_of(stack, "daemon"), signal.SIGKILL)
+            streams.join()
+            for code, details, _ in streams.ended:
+                assert code == grpc.StatusCode.UNAVAILABLE, details
+                assert "memory daemon" in details
+            wait_for(
+                lambda: "re-attached to the memory daemon" in stack.log(), what="the worker re-attaching"
+            )
+            wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
+            reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
+            assert reply.usage.completion_tokens == 4
+            wait_for(lambda: worker_idle(stack) and no_page_held(stack), what="every page back")
+        assert "daemon killed by SIGKILL; starting it again" in stack.log()
+    finally:
+        assert stack.stop() == 0
+    assert not stack.survivors()
+
+
+CLIENT = """
+import sys, threading, grpc
+from pagedserve.v1 import generation_pb2_grpc
+from services.client import generate_request
+stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(sys.argv[1]))
+requests = [generate_request(prompt=f"Story {i}:", max_tokens=2000, ignore_eos=True) for i in range(24)]
+calls = [stub.Generate(request) for request in requests]
+for call in calls:
+    next(call)
+print("streaming", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_clients_that_vanish_under_load_return_every_page(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path, "--kv-memory", "256MiB")
+    try:
+        client = subprocess.Popen(
+            [sys.executable, "-c", CLIENT, stack.address], stdout=subprocess.PIPE, text=True, cwd=REPO
+        )
+        assert client.stdout is not None and client.stdout.readline().strip() == "streaming"
+        with internal_channel(stack.worker_address()) as channel:
+            running = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest()).running
+        assert running == 24
+        client.kill()  # 24 streams gone without a goodbye
+        client.wait()
+        wait_for(lambda: worker_idle(stack) and no_page_held(stack), timeout_s=30, what="every page back")
+    finally:
+        assert stack.stop() == 0

@@ -1,0 +1,148 @@
+"""Who may connect: the shared secret between the stack's processes, the frontend's bearer token and TLS,
+loopback defaults, size limits, and no unpickling of anything."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from memory_daemon.config import DaemonConfig
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.client import Client, generate_request
+from services.common.default_model import default_model_dir
+from services.frontend.config import FrontendConfig
+from services.worker.config import WorkerConfig
+from tests.integration.kv_agent import SHAPE
+from tests.procs import REPO, DaemonProcess, Stack, internal_channel, start_stack
+
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_internal_services_listen_on_loopback_by_default() -> None:
+    assert DaemonConfig().address.startswith("127.0.0.1:")
+    assert WorkerConfig().address.startswith("127.0.0.1:")
+    assert FrontendConfig().address.startswith("127.0.0.1:")
+
+
+def test_the_daemon_hands_pool_handles_only_to_callers_with_the_secret(daemon: DaemonProcess) -> None:
+    attach = memory_pb2.AttachRequest(worker_name="intruder", model_id="m", shape=SHAPE.to_pb(), num_pages=16)
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+        for metadata in ((), (("x-pagedserve-secret", "guess"),)):
+            with pytest.raises(grpc.RpcError) as caught:
+                next(stub.Attach(attach, metadata=metadata))
+            assert caught.value.code() == UNAUTHENTICATED
+            assert "shared secret" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.GetStats(memory_pb2.GetStatsRequest())
+        assert caught.value.code() == UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no secret
+    with internal_channel(daemon.address) as channel:
+        attached = next(memory_pb2_grpc.MemoryDaemonStub(channel).Attach(attach)).attached
+        assert attached.pool.shm.path
+
+
+def write_certificate(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and localhost, and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pagedserve test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+def test_tls_and_a_bearer_token_on_the_frontend_and_the_secret_between_processes(tmp_path: Path) -> None:
+    default_model_dir()
+    cert, key = write_certificate(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text("open-sesame\n")
+    stack: Stack = start_stack(
+        tmp_path, "--kv-memory", "128MiB", "--tls-cert", str(cert), "--tls-key", str(key),
+        "--api-token-file", str(token_file), tls_ca=cert,
+    )  # fmt: skip
+    try:
+        with Client(stack.address, token="open-sesame", tls_ca=str(cert)) as client:
+            assert client.complete("Hello", max_tokens=3).usage.completion_tokens == 3
+        for token in (None, "wrong"):
+            with (
+                Client(stack.address, token=token, tls_ca=str(cert)) as client,
+                pytest.raises(grpc.RpcError) as caught,
+            ):
+                client.complete("Hello", max_tokens=3)
+            assert caught.value.code() == UNAUTHENTICATED and "bearer token" in caught.value.details()
+        with grpc.insecure_channel(stack.address) as plaintext, pytest.raises(grpc.RpcError) as caught:
+            generation_pb2_grpc.GenerationStub(plaintext).Complete(generate_request("Hello"), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # no TLS, no conversation
+
+        # The worker behind it refuses anyone without the run's secret, which `up` made for itself.
+        with grpc.insecure_channel(stack.worker_address()) as channel, pytest.raises(grpc.RpcError) as caught:
+            worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        assert caught.value.code() == UNAUTHENTICATED
+        assert stack.daemon_address.startswith("unix:") and stack.worker_address().startswith("unix:")
+    finally:
+        assert stack.stop() == 0
+
+
+def test_oversized_messages_are_refused_and_the_server_keeps_serving(tmp_path: Path) -> None:
+    default_model_dir()
+    stack = start_stack(tmp_path, "--kv-memory", "128MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Complete(generation_pb2.GenerateRequest(prompt="x" * (20 * 2**20)))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Complete(generate_request("Hello", max_tokens=2**21))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert stub.Complete(generate_request("Hello", max_tokens=2)).usage.completion_tokens == 2
+    finally:
+        assert stack.stop() == 0
+
+
+def test_nothing_is_unpickled() -> None:
+    """Weights come from safetensors and messages from protobuf: no pickle-based loader anywhere."""
+    unsafe = re.compile(r"\b(import (pickle|marshal|dill|shelve)|from pickle|torch\.load\(|pickle\.loads?)")
+    sources = [
+        p
+        for folder in ("services", "memory_daemon", "kernels", "scripts")
+        for p in (REPO / folder).rglob("*.py")
+    ]
+    offenders = [str(p) for p in sources if unsafe.search(p.read_text())]
+    assert sources and not offenders, offenders
