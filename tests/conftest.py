@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import DaemonProcess, start_daemon
+from tests.procs import STACKS, DaemonProcess, start_daemon
 
 
 @pytest.fixture
@@ -30,3 +30,13 @@ def daemon(run_dir: Path) -> Iterator[DaemonProcess]:
     shutil.rmtree(process.shm_dir, ignore_errors=True)
     assert status == 0, f"the daemon exited with {status}:\n{process.log()}"
     assert not leftovers, f"the daemon left pool files behind: {leftovers}"
+
+
+@pytest.fixture(autouse=True)
+def stop_stacks_left_running() -> Iterator[None]:
+    """A test that fails halfway must not leave its `pagedserve up` running into the next tests."""
+    before = len(STACKS)
+    yield
+    for stack in STACKS[before:]:
+        if stack.proc.poll() is None:
+            stack.stop()

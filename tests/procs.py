@@ -206,6 +206,9 @@ class Stack:
         return self.proc.wait(timeout=60)
 
 
+STACKS: list[Stack] = []  # every stack the tests started, so that a failed test cannot leak one
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -225,6 +228,7 @@ def start_stack(run_dir: Path, *extra: str, timeout_s: float = 300, tls_ca: Path
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     stack = Stack(proc, address, run_dir / "run", log_path)
+    STACKS.append(stack)
     deadline = time.monotonic() + timeout_s
     while "pagedserve is up on" not in stack.log():
         if proc.poll() is not None or time.monotonic() > deadline:
