@@ -1,5 +1,5 @@
 import sys
 
-from memory_daemon.server import main
+from services.cli import main
 
-sys.exit(main())
+sys.exit(main(["daemon", *sys.argv[1:]]))

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from memory_daemon.refill import RefillSettings
-from services.common.metrics import check_metrics_port
+from services.common.metrics import METRICS_HOST, check_metrics_port
 
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
@@ -22,7 +22,8 @@ class DaemonConfig:
     refill: RefillSettings = field(default_factory=RefillSettings)
     shutdown_grace_s: float = 2.0
     secret: str | None = field(default=None, repr=False)  # callers must present it (services.common.auth)
-    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
+    metrics_port: int = 0  # Prometheus /metrics on metrics_host:PORT; 0 serves none
+    metrics_host: str = METRICS_HOST
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device) or self.device.startswith("cpu:"):

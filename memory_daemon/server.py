@@ -16,6 +16,7 @@ from memory_daemon.service import SERVICE_NAME, MemoryDaemonService
 from pagedserve.memory.v1 import memory_pb2_grpc
 from services.common.auth import read_secret, secret_interceptor
 from services.common.logs import setup_logging
+from services.common.metrics import add_metrics_arguments
 from services.common.rpc import start_server
 from services.common.sizes import parse_bytes
 
@@ -63,12 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.refill.max_pages,
         help="largest refill in pages (default: %(default)s)",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=defaults.metrics_port,
-        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
-    )
+    add_metrics_arguments(parser)
     parser.add_argument("--secret-file", help="the stack's shared secret (default: $PAGEDSERVE_SECRET)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -83,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         watermark=args.watermark,
         refill=RefillSettings(min_pages=args.min_refill, max_pages=args.max_refill),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         secret=read_secret(args.secret_file),
     )
 
@@ -92,7 +89,9 @@ async def serve(config: DaemonConfig) -> None:
     for path in remove_stale_files(Path(config.shm_dir)):
         log.info("removed %s, left by a daemon that is gone", path)
     service = MemoryDaemonService(config)
-    snapshots = start_metrics(service, config.metrics_port) if config.metrics_port else None
+    snapshots = (
+        start_metrics(service, config.metrics_port, config.metrics_host) if config.metrics_port else None
+    )
     running = await start_server(
         config.address,
         lambda server: memory_pb2_grpc.add_MemoryDaemonServicer_to_server(service, server),
@@ -114,15 +113,7 @@ async def serve(config: DaemonConfig) -> None:
         service.close()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, config: DaemonConfig) -> int:
     setup_logging("daemon", args.log_level)
-    asyncio.run(serve(config_from_args(args)))
+    asyncio.run(serve(config))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m memory_daemon", description="The pagedserve KV memory daemon."
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

@@ -31,9 +31,16 @@ def main(argv: list[str] | None = None) -> int:
             module = importlib.import_module(module_name)
             sub.description = module.__doc__
             module.add_arguments(sub)
-            sub.set_defaults(run=module.run)
+            # A process module also has config_from_args, whose errors are told as usage, not a traceback.
+            sub.set_defaults(run=module.run, configure=getattr(module, "config_from_args", None), usage=sub)
     args = parser.parse_args(argv)
-    return args.run(args)
+    if args.configure is None:
+        return args.run(args)
+    try:
+        config = args.configure(args)
+    except (ValueError, OSError) as error:  # a value out of range, an unreadable secret file
+        args.usage.error(str(error))
+    return args.run(args, config)
 
 
 if __name__ == "__main__":

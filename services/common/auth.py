@@ -35,7 +35,7 @@ def read_secret(path: str | Path | None, env: str = SECRET_ENV) -> str | None:
     if path:
         secret = Path(path).read_text().strip()
         if not secret:
-            raise ValueError(f"{path} is empty")
+            raise ValueError(f"the secret file {path} is empty")
         return secret
     return os.environ.get(env) or None
 

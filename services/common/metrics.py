@@ -2,13 +2,15 @@
 
 Each process registers its metrics on prometheus_client's default registry (which also carries the
 process_* and python_* collectors) and, when given `--metrics-port`, serves them from a daemon thread at
-http://127.0.0.1:PORT/metrics. Metrics whose source lives on another thread (the daemon's event loop, the
-worker's engine thread) are read from snapshots of plain numbers that their owner refreshes, never by
-iterating the owner's structures from the scrape thread.
+http://127.0.0.1:PORT/metrics; `--metrics-host 0.0.0.0` opens them to a scraper in another container or on
+another host. Metrics whose source lives on another thread (the daemon's event loop, the worker's engine
+thread) are read from snapshots of plain numbers that their owner refreshes, never by iterating the owner's
+structures from the scrape thread.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 from prometheus_client import start_http_server
@@ -28,13 +30,28 @@ def metrics_url(port: int, host: str = METRICS_HOST) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-def serve_metrics(port: int) -> str | None:
+def serve_metrics(port: int, host: str = METRICS_HOST) -> str | None:
     """Start the metrics server when port is set (0 means none) and log its URL; returns the URL."""
     if not port:
         return None
-    url = metrics_url(start_metrics_server(port))
+    url = metrics_url(start_metrics_server(port, host), host)
     log.info("metrics on %s", url)
     return url
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """The three processes' --metrics-port and --metrics-host."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on PORT/metrics (default: 0, none)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=METRICS_HOST,
+        help="the metrics server's interface; 0.0.0.0 lets other hosts scrape (default: %(default)s)",
+    )
 
 
 def check_metrics_port(port: int) -> None:

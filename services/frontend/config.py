@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.metrics import check_metrics_port
+from services.common.metrics import METRICS_HOST, check_metrics_port
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class FrontendConfig:
     max_waiting: int = 1024  # requests queued behind them; more are refused with RESOURCE_EXHAUSTED
     default_max_tokens: int = 256
     shutdown_grace_s: float = 10.0
-    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
+    metrics_port: int = 0  # Prometheus /metrics on metrics_host:PORT; 0 serves none
+    metrics_host: str = METRICS_HOST
     secret: str | None = field(default=None, repr=False)  # presented to workers (services.common.auth)
     api_token: str | None = field(default=None, repr=False)  # clients must present it as a bearer token
     tls_cert: str | None = None  # PEM files: with both, the public port serves TLS

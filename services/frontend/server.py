@@ -16,7 +16,7 @@ from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.auth import API_TOKEN_ENV, bearer_interceptor, read_secret
 from services.common.default_model import resolve_model
 from services.common.logs import setup_logging
-from services.common.metrics import serve_metrics
+from services.common.metrics import add_metrics_arguments, serve_metrics
 from services.common.rpc import start_server
 from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
@@ -56,7 +56,7 @@ async def serve(config: FrontendConfig) -> None:
     service = GenerationService(router, admission, builder, model_info)
     if config.metrics_port:
         track_admission(admission)
-        serve_metrics(config.metrics_port)
+        serve_metrics(config.metrics_port, config.metrics_host)
 
     def register(server: object) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -117,12 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=defaults.max_running)
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting)
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=defaults.metrics_port,
-        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
-    )
+    add_metrics_arguments(parser)
     parser.add_argument("--api-token-file", help="require this bearer token (default: $PAGEDSERVE_API_TOKEN)")
     parser.add_argument("--tls-cert", help="a PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="the PEM private key of --tls-cert")
@@ -139,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_waiting=args.max_waiting,
         default_max_tokens=args.default_max_tokens,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         secret=read_secret(args.secret_file),
         api_token=read_secret(args.api_token_file, API_TOKEN_ENV),
         tls_cert=args.tls_cert,
@@ -146,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, config: FrontendConfig) -> int:
     setup_logging("frontend", args.log_level)
-    asyncio.run(serve(config_from_args(args)))
+    asyncio.run(serve(config))
     return 0

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from services.common.metrics import check_metrics_port
+from services.common.metrics import METRICS_HOST, check_metrics_port
 from services.worker.engine import EngineConfig
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -30,7 +30,8 @@ class WorkerConfig:
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
     engine: EngineConfig = field(default_factory=EngineConfig)
     secret: str | None = field(default=None, repr=False)  # the stack's shared secret (services.common.auth)
-    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1:PORT; 0 serves none
+    metrics_port: int = 0  # Prometheus /metrics on metrics_host:PORT; 0 serves none
+    metrics_host: str = METRICS_HOST
 
     def __post_init__(self) -> None:
         if not _DEVICE.match(self.device):

@@ -21,7 +21,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.auth import read_secret, secret_interceptor
 from services.common.default_model import resolve_model
 from services.common.logs import setup_logging
-from services.common.metrics import serve_metrics
+from services.common.metrics import add_metrics_arguments, serve_metrics
 from services.common.rpc import start_server
 from services.common.sizes import parse_bytes
 from services.worker.config import WorkerConfig
@@ -141,7 +141,7 @@ async def serve(config: WorkerConfig) -> None:
     service = WorkerService(engine, loaded.info, asyncio.get_running_loop())
     if config.metrics_port:
         instrument(engine)
-        serve_metrics(config.metrics_port)
+        serve_metrics(config.metrics_port, config.metrics_host)
     engine.start()
     running = await start_server(
         config.address,
@@ -205,12 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention and fused kernels: auto takes CuPy's on CUDA, torch's on the CPU",
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=defaults.metrics_port,
-        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (default: 0, none)",
-    )
+    add_metrics_arguments(parser)
     parser.add_argument("--secret-file", help="the stack's shared secret (default: $PAGEDSERVE_SECRET)")
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
@@ -235,11 +230,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             prefix_caching=not args.no_prefix_caching,
         ),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         secret=read_secret(args.secret_file),
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, config: WorkerConfig) -> int:
     setup_logging(f"worker[{args.name}]", args.log_level)
-    asyncio.run(serve(config_from_args(args)))
+    asyncio.run(serve(config))
     return 0

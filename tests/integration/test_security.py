@@ -6,6 +6,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import re
+import shutil
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -25,7 +29,16 @@ from services.common.default_model import default_model_dir
 from services.frontend.config import FrontendConfig
 from services.worker.config import WorkerConfig
 from tests.integration.kv_agent import SHAPE
-from tests.procs import REPO, DaemonProcess, Stack, internal_channel, start_stack
+from tests.procs import (
+    REPO,
+    SECRET,
+    DaemonProcess,
+    Stack,
+    free_port,
+    internal_channel,
+    start_daemon,
+    start_stack,
+)
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -53,6 +66,54 @@ def test_the_daemon_hands_pool_handles_only_to_callers_with_the_secret(daemon: D
     with internal_channel(daemon.address) as channel:
         attached = next(memory_pb2_grpc.MemoryDaemonStub(channel).Attach(attach)).attached
         assert attached.pool.shm.path
+
+
+def listening_on_all_interfaces(port: int) -> bool:
+    """Whether a TCP socket listens on 0.0.0.0:port, from the kernel's table (state 0A is LISTEN)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return any(row.split()[1] == f"00000000:{port:04X}" and row.split()[3] == "0A" for row in rows)
+
+
+def test_a_daemon_run_as_compose_runs_it(run_dir: Path) -> None:
+    """Compose mounts the secret as a file, which wins over the environment, and opens the metrics port
+    to a scraper in another container."""
+    secret_file = run_dir / "secret"
+    secret_file.write_text("from-the-file\n")
+    port = free_port()
+    daemon = start_daemon(
+        run_dir, "--secret-file", str(secret_file), "--metrics-port", str(port), "--metrics-host", "0.0.0.0"
+    )
+    try:
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.GetStats(memory_pb2.GetStatsRequest(), metadata=(("x-pagedserve-secret", SECRET),))
+            assert caught.value.code() == UNAUTHENTICATED
+            stub.GetStats(memory_pb2.GetStatsRequest(), metadata=(("x-pagedserve-secret", "from-the-file"),))
+        assert listening_on_all_interfaces(port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert "pagedserve_kv_prefix_lookups" in reply.read().decode()
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+        shutil.rmtree(daemon.shm_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--secret-file", "{empty}"], "the secret file {empty} is empty"),
+        (["--secret-file", "{missing}"], "No such file or directory"),
+        (["--metrics-port", "70000"], "metrics_port must be 0 (no metrics server) or a TCP port, got 70000"),
+    ],
+)
+def test_a_bad_setting_is_a_usage_error(tmp_path: Path, flags: list[str], message: str) -> None:
+    paths = {"empty": tmp_path / "empty", "missing": tmp_path / "missing"}
+    paths["empty"].write_text("")
+    command = [sys.executable, "-m", "memory_daemon", *(flag.format(**paths) for flag in flags)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    last_line = done.stderr.splitlines()[-1]
+    assert done.returncode == 2 and last_line.startswith("pagedserve daemon: error: "), done.stderr
+    assert message.format(**paths) in last_line and "Traceback" not in done.stderr
 
 
 def write_certificate(folder: Path) -> tuple[Path, Path]:

@@ -70,3 +70,16 @@ def test_healthchecks_use_grpc_health_and_only_the_frontend_is_published(gpu: di
         assert [name for name, s in services.items() if s.get("ports")] == ["frontend"]
         assert services["worker"]["depends_on"]["daemon"]["condition"] == "service_healthy"
         assert services["frontend"]["depends_on"]["worker"]["condition"] == "service_healthy"
+
+
+def test_every_service_takes_the_shared_secret_from_a_compose_secret(gpu: dict, cpu: dict) -> None:
+    for services in (gpu, cpu):
+        for service in services.values():
+            command = service["command"]
+            flags = dict(zip(command[2::2], command[3::2], strict=True))
+            (mounted,) = service["secrets"]
+            assert flags["--secret-file"] == mounted["target"] == "/run/secrets/pagedserve"
+            assert flags["--metrics-host"] == "0.0.0.0"  # for a scraper on the compose network
+            assert flags["--metrics-port"] in service["expose"]
+    secret = compose_config("docker-compose.yml")["secrets"]["pagedserve"]
+    assert secret["environment"] == "PAGEDSERVE_SECRET"  # from the shell that runs `docker compose up`
