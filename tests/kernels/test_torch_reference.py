@@ -9,7 +9,7 @@ read, it holds NaN.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kernels import TorchBackend
+from kernels.torch_ref import GROUP_COST_SLOTS, group_by_length
 from services.worker.models.llama import rotary_table
 from services.worker.models.spec import ModelSpec
 from tests.kernels.steps import Chunk, make_metadata
@@ -249,6 +250,55 @@ def test_decode_attention(page_size: int, head_dim: int, group: int, dtype: torc
         k, v = gather_kv(kv_layer, table, n)
         expected = attention_reference(q[i : i + 1], k, v, [n - 1], scale)
         assert_close(out[i : i + 1], expected, dtype, f"sequence {i} of length {n}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_decode_attention_over_lengths_far_apart(dtype: torch.dtype) -> None:
+    """Decodes of very different lengths run in separate groups on the CPU; each row still gets its own."""
+    gen = generator(6)
+    page_size, head_dim, group = 8, 64, 4
+    lengths = [1, 30 * page_size + 3, 2 * page_size - 1, page_size]
+    assert len(group_by_length(lengths, page_size, GROUP_COST_SLOTS)) > 1
+    tables = random_tables(gen, lengths, page_size)
+    kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
+    poison_pages(kv_layer, unowned_pages(tables))
+    q, _, _ = fused_qkv(gen, len(lengths), group * KV_HEADS, head_dim, dtype)
+    decodes = [Chunk(table, n - 1, 1) for table, n in zip(tables, lengths, strict=True)]
+    scale = head_dim**-0.5
+
+    out = BACKEND.paged_attention(q, kv_layer, make_metadata(decodes, [], page_size), scale)
+
+    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        k, v = gather_kv(kv_layer, table, n)
+        assert_close(out[i : i + 1], attention_reference(q[i : i + 1], k, v, [n - 1], scale), dtype)
+
+
+def partitions(rows: list[int]) -> Iterator[list[list[int]]]:
+    """Every way to split rows into groups."""
+    if not rows:
+        yield []
+        return
+    first, rest = rows[0], rows[1:]
+    for split in partitions(rest):
+        yield [[first], *split]
+        for i in range(len(split)):
+            yield [*split[:i], [first, *split[i]], *split[i + 1 :]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decode_groups_cost_the_least_of_any_split(seed: int) -> None:
+    gen = generator(seed)
+    page_size, group_cost = 16, int(torch.randint(0, 600, (1,), generator=gen))
+    lengths = torch.randint(1, 800, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+
+    def cost(groups: list[list[int]]) -> int:
+        padded = sum(len(g) * max(-(-lengths[i] // page_size) for i in g) * page_size for g in groups)
+        return padded + group_cost * len(groups)
+
+    groups = group_by_length(lengths, page_size, group_cost)
+
+    assert sorted(row for g in groups for row in g) == list(range(len(lengths)))
+    assert cost(groups) == min(cost(split) for split in partitions(list(range(len(lengths)))))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
