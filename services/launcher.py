@@ -7,8 +7,12 @@ grpc.health.v1, and every line a child prints comes out prefixed with its name. 
 the frontend, then stops the workers and the daemon; children also get SIGTERM if this process dies
 (PR_SET_PDEATHSIG), so none is orphaned. If a child dies, the launcher says which one and why, and starts
 it again: a worker re-attaches to the daemon's pool, whose cached prefixes outlive it, and after a daemon
-restart the workers attach to the new one. A child that keeps dying (RESTART_LIMIT times in a minute), or
-any death under --no-restart, stops the whole stack.
+restart the workers attach to the new one. A child that keeps dying (more than RESTART_LIMIT restarts in a
+minute), or any death under --no-restart, stops the whole stack. Ctrl-C while the stack is still starting
+stops it too, within a second.
+
+The launcher checks the frontend's health on a unix socket of its own (--local-address), so that a TLS
+certificate issued for another name, or a wildcard --host, does not stand in the way.
 
 Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
 `{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
@@ -35,9 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from services.client import tls_credentials
 from services.common.auth import SECRET_ENV
 from services.common.metrics import METRICS_HOST, metrics_url
 from services.common.rpc import wait_for_health
@@ -50,16 +51,15 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-RESTART_LIMIT = 5
+RESTART_LIMIT = 5  # restarts of one child within a minute
 
 
 @dataclass
 class Child:
     name: str
     args: list[str]
-    address: str
+    address: str  # where its health is checked
     health_service: str
-    credentials: grpc.ChannelCredentials | None
     proc: subprocess.Popen[bytes] | None = None
     deaths: list[float] = field(default_factory=list)  # when it died, for the restart limit
 
@@ -77,17 +77,11 @@ class Launcher:
         self.run_dir = run_dir
         self.env = env
         self.children: list[Child] = []
+        self.stopping = threading.Event()  # set by Ctrl-C or SIGTERM
         self._print_lock = threading.Lock()
 
-    def start(
-        self,
-        name: str,
-        args: list[str],
-        address: str,
-        health_service: str = "",
-        credentials: grpc.ChannelCredentials | None = None,
-    ) -> Child:
-        child = Child(name, args, address, health_service, credentials)
+    def start(self, name: str, args: list[str], address: str, health_service: str = "") -> Child:
+        child = Child(name, args, address, health_service)
         self.children.append(child)
         self.launch(child)
         return child
@@ -112,8 +106,10 @@ class Launcher:
             dead = self.first_dead()  # this child, or one started before it
             if dead is not None:
                 raise ChildDied(dead)
+            if self.stopping.is_set():
+                raise Interrupted(f"stopped while {child.name} was starting")
             try:
-                wait_for_health(child.address, 1.0, child.health_service, child.credentials)
+                wait_for_health(child.address, 1.0, child.health_service)
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
@@ -122,10 +118,10 @@ class Launcher:
                     ) from None
 
     def restart(self, child: Child) -> None:
-        """Start a dead child again, unless it died RESTART_LIMIT times within a minute."""
+        """Start a dead child again, unless it was restarted RESTART_LIMIT times within the last minute."""
         now = time.monotonic()
         child.deaths = [t for t in child.deaths if now - t < 60.0] + [now]
-        if len(child.deaths) >= RESTART_LIMIT:
+        if len(child.deaths) > RESTART_LIMIT:
             raise ChildDied(child, f"; it died {len(child.deaths)} times within a minute")
         self.say(f"{child.name} {child.exit_reason()}; starting it again")
         self.launch(child)
@@ -158,6 +154,10 @@ class Launcher:
                 print(f"{child.name:>9} | {line}", flush=True)
 
 
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM came before the stack was up."""
+
+
 class ChildDied(RuntimeError):
     def __init__(self, child: Child, why: str = "") -> None:
         self.child = child
@@ -179,8 +179,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-memory", type=parse_bytes, default=2**30, help="the KV pool's size (default: 1GiB)"
     )
-    parser.add_argument("--max-batched-tokens", type=int)
-    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-batched-tokens", type=int, help="the workers' token budget a step")
+    parser.add_argument("--max-num-seqs", type=int, help="the workers' most sequences a step")
+    parser.add_argument("--max-running", type=int, help="the frontend's requests in workers at once")
+    parser.add_argument("--max-waiting", type=int, help="the frontend's queue behind them")
     parser.add_argument(
         "--no-metrics", action="store_true", help="serve no Prometheus metrics (default: each process does)"
     )
@@ -202,9 +204,8 @@ def run(args: argparse.Namespace) -> int:
     # Every child inherits the run's shared secret; one already set in the environment is kept.
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)}
     launcher = Launcher(run_dir, env)
-    stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, lambda *_: launcher.stopping.set())
     address = f"{args.host}:{args.port or _free_port(args.host)}"
     try:
         endpoints = _start_stack(launcher, args, address)
@@ -214,13 +215,16 @@ def run(args: argparse.Namespace) -> int:
             named = [("frontend", endpoints["frontend"]), ("daemon", endpoints["daemon"])]
             named += [(worker["name"], worker) for worker in endpoints["workers"]]
             launcher.say("metrics: " + ", ".join(f"{name} {where['metrics']}" for name, where in named))
-        while not stop.wait(0.2):
+        while not launcher.stopping.wait(0.2):
             dead = launcher.first_dead()
             if dead is not None:
                 if args.no_restart:
                     raise ChildDied(dead)
                 launcher.restart(dead)
         launcher.say("stopping: the frontend drains first")
+        return 0
+    except Interrupted as exc:
+        launcher.say(str(exc))
         return 0
     except (ChildDied, TimeoutError) as exc:
         launcher.say(f"{exc}; stopping the rest")
@@ -260,26 +264,27 @@ def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> 
             *model,
             *common,
         ]
-        for flag in ("max_batched_tokens", "max_num_seqs"):
-            if getattr(args, flag):
-                worker += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        worker += _given_flags(args, "max_batched_tokens", "max_num_seqs")
         worker_flags, worker_metrics = metrics()
         launcher.start(f"worker-{i}", worker + worker_flags, worker_address)
         workers.append({"name": f"worker-{i}", "address": worker_address, "metrics": worker_metrics})
     frontend_flags, frontend_metrics = metrics()  # picked just before use: a free port may not stay free
-    frontend = ["frontend", "--address", address, *frontend_flags, *model, *common]
-    frontend += [arg for worker in workers for arg in ("--worker", worker["address"])]
-    for flag in ("api_token_file", "tls_cert", "tls_key"):
-        if getattr(args, flag):
-            frontend += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    # The launcher checks the frontend's health over TLS too, trusting its own (self-signed) certificate.
-    health_credentials = tls_credentials(args.tls_cert)
-    launcher.start("frontend", frontend, address, "pagedserve.v1.Generation", health_credentials)
+    local_address = f"unix:{launcher.run_dir}/frontend.sock"
+    frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
+    frontend += [*model, *common, *(arg for worker in workers for arg in ("--worker", worker["address"]))]
+    frontend += _given_flags(args, "api_token_file", "tls_cert", "tls_key", "max_running", "max_waiting")
+    launcher.start("frontend", frontend, local_address, "pagedserve.v1.Generation")
     return {
         "frontend": {"address": address, "metrics": frontend_metrics},
         "daemon": {"address": daemon_address, "metrics": daemon_metrics},
         "workers": workers,
     }
+
+
+def _given_flags(args: argparse.Namespace, *names: str) -> list[str]:
+    """The options among names that the user gave, as flags to pass on to a child."""
+    given = [(name, getattr(args, name)) for name in names if getattr(args, name) is not None]
+    return [arg for name, value in given for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
 def _write_json(path: Path, value: object) -> None:

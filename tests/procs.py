@@ -215,20 +215,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_stack(run_dir: Path, *extra: str, timeout_s: float = 300, tls_ca: Path | None = None) -> Stack:
-    """Start `pagedserve up` on a free port and wait until its frontend has a worker up.
-
-    tls_ca: the frontend serves TLS with a certificate this CA file vouches for.
-    """
-    address = f"127.0.0.1:{free_port()}"
-    host, port = address.split(":")
+def launch_stack(run_dir: Path, *extra: str, host: str = "127.0.0.1") -> Stack:
+    """Start `pagedserve up` on a free port, bound to host, and return at once; clients use loopback."""
+    port = str(free_port())
     command = [sys.executable, "-m", "services.cli", "up", "--host", host, "--port", port]
     command += ["--run-dir", str(run_dir / "run"), *extra]
     log_path = run_dir / "up.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    stack = Stack(proc, address, run_dir / "run", log_path)
+    stack = Stack(proc, f"127.0.0.1:{port}", run_dir / "run", log_path)
     STACKS.append(stack)
+    return stack
+
+
+def start_stack(
+    run_dir: Path, *extra: str, timeout_s: float = 300, tls_ca: Path | None = None, host: str = "127.0.0.1"
+) -> Stack:
+    """Start `pagedserve up` on a free port and wait until its frontend has a worker up.
+
+    tls_ca: the frontend serves TLS with a certificate this CA file vouches for.
+    """
+    stack = launch_stack(run_dir, *extra, host=host)
+    proc, address = stack.proc, stack.address
     deadline = time.monotonic() + timeout_s
     while "pagedserve is up on" not in stack.log():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -56,10 +56,12 @@ async def start_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    local_address: str | None = None,
 ) -> RunningServer:
     """Start a grpc.aio server on address ("host:port" or "unix:/path") with health for service_names.
 
-    interceptors (credential checks) run before the error interceptor; credentials make it serve TLS.
+    interceptors (credential checks) run before the error interceptor; credentials make address serve TLS.
+    local_address ("unix:/path") serves the same services without TLS, to this machine's own tools.
     """
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS)
     register(server)
@@ -72,8 +74,10 @@ async def start_server(
             port = server.add_insecure_port(address)
         else:
             port = server.add_secure_port(address, credentials)
+        if local_address is not None:
+            server.add_insecure_port(local_address)
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address}: {exc}") from exc
+        raise OSError(f"cannot listen on {address} {local_address or ''}: {exc}") from exc
     await server.start()
     if not address.startswith("unix:"):
         host = address.rsplit(":", 1)[0]

@@ -25,6 +25,9 @@ class FrontendConfig:
     api_token: str | None = field(default=None, repr=False)  # clients must present it as a bearer token
     tls_cert: str | None = None  # PEM files: with both, the public port serves TLS
     tls_key: str | None = None
+    # A unix socket serving the same without TLS, for this machine's tools: `pagedserve up` checks health
+    # there, whatever name the certificate carries. The bearer token still applies.
+    local_address: str | None = None
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -34,6 +37,8 @@ class FrontendConfig:
         check_metrics_port(self.metrics_port)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.local_address is not None and not self.local_address.startswith("unix:"):
+            raise ValueError(f"--local-address must be a unix socket (unix:/path), got {self.local_address}")
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if self.tls_cert is None or self.tls_key is None:

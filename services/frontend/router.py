@@ -37,6 +37,7 @@ class WorkerLink:
         self._metadata = secret_metadata(secret)
         self.model_id = model_id
         self.up = False
+        self.down_reason = "not reached yet"  # why it is not up, for the log and for clients
         self.info: worker_pb2.WorkerInfo | None = None
         self.load = worker_pb2.Load()
         self._on_change = on_change
@@ -88,6 +89,9 @@ class WorkerLink:
             if self.up:
                 log.warning("worker %s went away: %s", self.address, reason)
                 backoff = 0.05
+            elif reason != self.down_reason:  # once a reason, not at every retry
+                log.warning("worker %s is not up: %s", self.address, reason)
+            self.down_reason = reason
             self._set_down(reason)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
@@ -168,6 +172,6 @@ class Router:
         """The least-loaded worker that is up: fewest requests of ours in flight, then most free pages."""
         up = [link for link in self.links if link.up]
         if not up:
-            addresses = ", ".join(link.address for link in self.links)
-            raise ConnectionError(f"no worker is up (tried {addresses}); start one with `pagedserve worker`")
+            why = "; ".join(f"{link.address}: {link.down_reason}" for link in self.links)
+            raise ConnectionError(f"no worker is up ({why}); start one with `pagedserve worker`")
         return min(up, key=lambda link: (link.outstanding, link.load.kv_pages_in_use))

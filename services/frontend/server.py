@@ -73,6 +73,7 @@ async def serve(config: FrontendConfig) -> None:
         [],
         interceptors=bearer_interceptor(config.api_token),
         credentials=config.server_credentials(),
+        local_address=config.local_address,
     )
 
     async def track_health() -> None:
@@ -121,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-token-file", help="require this bearer token (default: $PAGEDSERVE_API_TOKEN)")
     parser.add_argument("--tls-cert", help="a PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    parser.add_argument(
+        "--local-address", help="also serve on this unix socket (unix:/path), without TLS, for local tools"
+    )
     parser.add_argument("--secret-file", help="the stack's shared secret (default: $PAGEDSERVE_SECRET)")
     parser.add_argument("--log-level", default="INFO")  # fmt: skip
 
@@ -139,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         api_token=read_secret(args.api_token_file, API_TOKEN_ENV),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        local_address=args.local_address,
     )
 
 

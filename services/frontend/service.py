@@ -8,6 +8,7 @@ found) the request is aborted in its worker, which frees its pages within one st
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,7 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.common.errors import ResourceExhausted
 from services.frontend.admission import Admission
 from services.frontend.detokenizer import TextStream
 from services.frontend.metrics import RequestTracker
@@ -25,6 +27,7 @@ Reason = generation_pb2.GenerateResponse.FinishReason
 # A worker's refusal, as the exception the error interceptor turns back into the same status.
 _WORKER_ERRORS: dict[int, type[Exception]] = {
     grpc.StatusCode.INVALID_ARGUMENT.value[0]: ValueError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE.value[0]: ConnectionError,
 }
 
@@ -47,7 +50,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         with RequestTracker(context) as tracker:
-            async for response in self._generate(self._builder.prepare(request), tracker):
+            async for response in self._generate(await self._prepare(request), tracker):
                 yield response
 
     async def Complete(
@@ -55,7 +58,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.GenerateResponse:
         whole = generation_pb2.GenerateResponse()
         with RequestTracker(context) as tracker:
-            async for response in self._generate(self._builder.prepare(request), tracker):
+            async for response in self._generate(await self._prepare(request), tracker):
                 whole.request_id = response.request_id
                 whole.text += response.text
                 whole.token_ids.extend(response.token_ids)
@@ -71,9 +74,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if bool(request.text) == bool(request.messages):
             raise ValueError("set exactly one of text or messages")
         if request.messages:
-            ids = self._builder.prompt_ids("", [], list(request.messages))
+            ids = await asyncio.to_thread(self._builder.prompt_ids, "", [], list(request.messages))
         else:
-            ids = self._tokenizer(request.text, add_special_tokens=request.add_special_tokens)["input_ids"]
+            encoded = await asyncio.to_thread(
+                self._tokenizer, request.text, add_special_tokens=request.add_special_tokens
+            )
+            ids = encoded["input_ids"]
         return generation_pb2.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(
@@ -85,6 +91,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if worker is not None:  # how it runs is the workers' to say
             info.dtype, info.device, info.page_size = worker.dtype, worker.device, worker.page_size
         return info
+
+    async def _prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
+        # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every other stream and
+        # health check would wait for it. The tokenizer's settings never change, so threads share it safely.
+        return await asyncio.to_thread(self._builder.prepare, request)
 
     async def _generate(
         self, prepared: PreparedRequest, tracker: RequestTracker

@@ -23,6 +23,7 @@ import grpc
 
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
+from services.common.errors import ResourceExhausted
 from services.common.sampling import SamplingOptions
 from services.worker.batch import build_batch
 from services.worker.cuda_graphs import DecodeGraphs
@@ -120,8 +121,8 @@ class Engine:
     def submit(
         self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
     ) -> None:
-        """Queue a request; raises ValueError for a prompt this model cannot run, and ConnectionError while
-        the KV pool is out of reach."""
+        """Queue a request; raises ValueError for a prompt this model cannot run, ResourceExhausted for one
+        that the KV pool can never hold, and ConnectionError while the pool is out of reach."""
         if self.suspended is not None:
             raise ConnectionError(self.suspended)
         spec = self.model.spec
@@ -137,8 +138,9 @@ class Engine:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{spec.vocab_size - 1})")
         pages = -(-(len(prompt_ids) + 1) // self.kv.page_size)
         if pages >= self.kv.num_pages:
-            raise ValueError(
-                f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}"
+            raise ResourceExhausted(
+                f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}: "
+                "shorten it, or give the workers more --kv-memory"
             )
         seq = Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
         with self._wake:

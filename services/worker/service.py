@@ -19,6 +19,7 @@ import grpc
 
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.errors import ResourceExhausted, status_for
 from services.common.sampling import SamplingOptions
 from services.worker.engine import Engine, RequestOutput
 
@@ -131,10 +132,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self._engine.submit(
                 (stream, submit.request_id), submit.prompt_token_ids, options, submit.priority
             )
-        except ValueError as exc:
-            return str(exc), grpc.StatusCode.INVALID_ARGUMENT
-        except ConnectionError as exc:  # the KV pool is out of reach for now
-            return str(exc), grpc.StatusCode.UNAVAILABLE
+        except (ValueError, ResourceExhausted, ConnectionError) as exc:  # ConnectionError: no pool for now
+            code, message = status_for(exc)
+            return message, code
         live.add(submit.request_id)
         return None
 

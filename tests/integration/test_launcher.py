@@ -8,7 +8,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
 from tests.models import make_model
-from tests.procs import Stack, free_port, internal_channel, start_service, start_stack
+from tests.procs import Stack, free_port, internal_channel, launch_stack, start_service, start_stack
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
@@ -33,7 +32,9 @@ LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 def two_workers() -> Iterator[Stack]:
     default_model_dir()
     run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
-    running = start_stack(run_dir, "--workers", "2", "--kv-memory", "256MiB")
+    running = start_stack(
+        run_dir, "--workers", "2", "--kv-memory", "256MiB", "--max-running", "64", "--max-waiting", "512"
+    )
     yield running
     assert running.stop() == 0, running.log()
     assert not running.survivors()
@@ -45,15 +46,37 @@ def running_on(stack: Stack, index: int) -> int:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest()).running
 
 
-def test_requests_spread_over_the_least_loaded_workers(two_workers: Stack) -> None:
+def wait_for_running(stack: Stack, expected: set[tuple[int, int]]) -> tuple[int, int]:
+    deadline = time.monotonic() + 30
+    while (counts := (running_on(stack, 0), running_on(stack, 1))) not in expected:
+        assert time.monotonic() < deadline, f"the workers run {counts}, not one of {expected}"
+        time.sleep(0.05)
+    return counts
+
+
+def test_requests_go_to_the_least_loaded_worker(two_workers: Stack) -> None:
     with grpc.insecure_channel(two_workers.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        calls = [stub.Generate(generate_request(prompt=f"Essay {i}:", **LONG)) for i in range(6)]
+        first, second = (stub.Generate(generate_request(prompt=f"Essay {i}:", **LONG)) for i in range(2))
+        next(first), next(second)
+        wait_for_running(two_workers, {(1, 1)})
+        second.cancel()
+        # Round-robin would send the third to the first's worker; the least-loaded one is the other.
+        emptied = wait_for_running(two_workers, {(1, 0), (0, 1)})
+        third = stub.Generate(generate_request(prompt="Essay 2:", **LONG))
+        next(third)
+        assert wait_for_running(two_workers, {(1, 1), (2, 0), (0, 2)}) == (1, 1), emptied
+        calls = [stub.Generate(generate_request(prompt=f"Essay {i}:", **LONG)) for i in range(3, 7)]
         for call in calls:
-            next(call)  # every request is running somewhere
-        assert (running_on(two_workers, 0), running_on(two_workers, 1)) == (3, 3)
-        for call in calls:
+            next(call)
+        assert wait_for_running(two_workers, {(3, 3)}) == (3, 3)
+        for call in (first, third, *calls):
             call.cancel()
+
+
+def test_up_passes_the_admission_limits_to_the_frontend(two_workers: Stack) -> None:
+    (frontend,) = [line for line in two_workers.survivors() if "services.cli frontend" in line]
+    assert "--max-running 64" in frontend and "--max-waiting 512" in frontend
 
 
 def start_frontend(run_dir: Path, *args: str) -> tuple[str, object]:
@@ -62,15 +85,32 @@ def start_frontend(run_dir: Path, *args: str) -> tuple[str, object]:
     return address, start_service(command, address, run_dir / f"frontend-{address.split(':')[1]}.log")
 
 
-def test_no_worker_up_is_unavailable(tmp_path: Path) -> None:
-    address, frontend = start_frontend(tmp_path, "--worker", f"unix:{tmp_path}/nobody.sock")
+def test_no_worker_up_is_unavailable_and_says_why(two_workers: Stack, tmp_path: Path) -> None:
+    nobody = f"unix:{tmp_path}/nobody.sock"
+    wrong_secret = tmp_path / "secret"
+    wrong_secret.write_text("not the stack's secret")
+    address, frontend = start_frontend(
+        tmp_path,
+        "--worker",
+        nobody,
+        "--worker",
+        two_workers.worker_address(0),
+        "--secret-file",
+        str(wrong_secret),
+    )
     try:
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
             generation_pb2_grpc.GenerationStub(channel).Complete(generate_request("Hi"))
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no worker is up" in caught.value.details()
+        details = caught.value.details()
+        assert details.startswith(f"no worker is up ({nobody}: UNAVAILABLE: "), details
+        assert (
+            f"{two_workers.worker_address(0)}: UNAUTHENTICATED: this server needs the stack's shared"
+            in details
+        )
     finally:
         assert frontend.stop() == 0
+    assert f"worker {two_workers.worker_address(0)} is not up: UNAUTHENTICATED" in frontend.log()
 
 
 def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
@@ -122,20 +162,31 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
     stack = start_stack(tmp_path, "--kv-memory", "128MiB")
     with grpc.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        result: list[pb.GenerateResponse] = []
-        call = threading.Thread(
-            target=lambda: result.append(stub.Complete(generate_request("Hi", max_tokens=8)))
-        )
-        call.start()
-        time.sleep(0.2)
-        assert stack.stop() == 0
-        call.join(timeout=30)
-    assert result and result[0].usage.completion_tokens > 0  # the request in flight was allowed to finish
+        call = stub.Generate(generate_request("Hi", max_tokens=24, ignore_eos=True))
+        responses = [next(call)]  # in flight when the stack is told to stop
+        stopping = concurrent.futures.ThreadPoolExecutor(1).submit(stack.stop)
+        responses += list(call)
+        assert stopping.result(timeout=60) == 0
+    # The request in flight was allowed to finish.
+    last = responses[-1]
+    assert last.finish_reason == pb.GenerateResponse.LENGTH and last.usage.completion_tokens == 24
     assert not stack.survivors()
     lines = stack.log().splitlines()
     order = [i for i, line in enumerate(lines) if "shutting down" in line]
     assert "stopping: the frontend drains first" in stack.log()
     assert [lines[i].split("|")[0].strip() for i in order] == ["frontend", "worker-0", "daemon"]
+
+
+def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
+    stack = launch_stack(tmp_path, "--kv-memory", "128MiB")
+    deadline = time.monotonic() + 120
+    while "worker-0 |" not in stack.log():  # the worker is loading: the stack is not up yet
+        assert stack.proc.poll() is None and time.monotonic() < deadline, stack.log()
+        time.sleep(0.05)
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(timeout=20) == 0, stack.log()
+    assert "stopped while worker-0 was starting" in stack.log()
+    assert "pagedserve is up" not in stack.log() and not stack.survivors()
 
 
 def test_a_random_qwen3_model_through_the_whole_stack(tmp_path: Path) -> None:

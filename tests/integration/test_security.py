@@ -41,6 +41,7 @@ from tests.procs import (
 )
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+SERVICE = "pagedserve.v1.Generation"
 
 
 def test_internal_services_listen_on_loopback_by_default() -> None:
@@ -153,11 +154,17 @@ def test_tls_and_a_bearer_token_on_the_frontend_and_the_secret_between_processes
     cert, key = write_certificate(tmp_path)
     token_file = tmp_path / "token"
     token_file.write_text("open-sesame\n")
+    # On every interface, as in a container: the certificate names 127.0.0.1 and localhost, not 0.0.0.0.
     stack: Stack = start_stack(
         tmp_path, "--kv-memory", "128MiB", "--tls-cert", str(cert), "--tls-key", str(key),
-        "--api-token-file", str(token_file), tls_ca=cert,
+        "--api-token-file", str(token_file), tls_ca=cert, host="0.0.0.0",
     )  # fmt: skip
     try:
+        health = [sys.executable, "-m", "services.cli", "health", stack.address, "--service", SERVICE]
+        checked = subprocess.run([*health, "--tls-ca", str(cert)], capture_output=True, text=True, cwd=REPO)
+        assert checked.returncode == 0, checked.stderr
+        plain = subprocess.run(health, capture_output=True, text=True, cwd=REPO)
+        assert plain.returncode == 1 and "not healthy" in plain.stderr, plain.stderr
         with Client(stack.address, token="open-sesame", tls_ca=str(cert)) as client:
             assert client.complete("Hello", max_tokens=3).usage.completion_tokens == 3
         for token in (None, "wrong"):

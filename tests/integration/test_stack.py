@@ -198,6 +198,21 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(
     wait_for_idle_worker(stack)
 
 
+def test_a_huge_prompt_does_not_hold_up_other_calls(stub: generation_pb2_grpc.GenerationStub) -> None:
+    """Tokenizing megabytes takes seconds. It happens off the frontend's event loop, so others go on."""
+    huge = "word " * (2 * 2**20)  # 10 MiB: under the message cap, far past the context
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(stub.Complete, generate_request(huge, max_tokens=1))
+        time.sleep(0.5)
+        small = stub.Complete(generate_request("Hi", max_tokens=2, ignore_eos=True))
+        assert small.usage.completion_tokens == 2
+        assert not big.done(), "the small call waited for the huge prompt's tokenization"
+        with pytest.raises(grpc.RpcError) as caught:
+            big.result(timeout=180)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "but the model's context is 8192" in caught.value.details()
+
+
 def test_tokenize_and_model_info(
     stub: generation_pb2_grpc.GenerationStub, tokenizer: PreTrainedTokenizerBase
 ) -> None:

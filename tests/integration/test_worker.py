@@ -184,6 +184,8 @@ def test_bad_submits_get_errors_and_the_worker_keeps_serving(
     )
     cases = {
         "too-long": ([5] * 9000, good, "the prompt has 9000 tokens, but the model's context is 8192"),
+        # Within the context, but past the pool's 256 MiB: (7000 + 1) / 16 pages.
+        "too-big-for-the-pool": ([5] * 7000, good, "the prompt needs 438 KV pages, more than the pool's"),
         "bad-token": ([5, 49152], good, "token id 49152 is outside the vocabulary (0..49151)"),
         "empty": ([], good, "the prompt is empty"),
         "bad-temperature": (
@@ -198,6 +200,11 @@ def test_bad_submits_get_errors_and_the_worker_keeps_serving(
     for request_id, (_, _, message) in cases.items():
         (output,) = outputs[request_id]
         assert output.finish_reason == Reason.ABORT and message in output.error, output.error
+        exhausted = (
+            request_id == "too-big-for-the-pool"
+        )  # no retry can help the rest either, but more memory can
+        expected = grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.INVALID_ARGUMENT
+        assert output.error_code == expected.value[0], output
     stream.submit("fine", chat(tokenizer, "Hi"), good)
     assert len(tokens(stream.collect({"fine"})["fine"])) == 4
 

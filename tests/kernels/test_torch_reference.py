@@ -233,10 +233,10 @@ def test_write_kv_skips_negative_slots() -> None:
 # Attention ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("page_size", "head_dim", "group", "dtype"), ATTENTION_CASES, ids=ATTENTION_IDS)
-def test_decode_attention(page_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
-    gen = generator(3)
-    lengths = [2 * page_size + 3, 1, 3 * page_size, page_size]  # page boundaries, a single token
+def check_decodes(
+    gen: torch.Generator, lengths: list[int], page_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    """Decode attention for sequences of these lengths, each row against the reference."""
     tables = random_tables(gen, lengths, page_size)
     kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
     poison_pages(kv_layer, unowned_pages(tables))
@@ -252,25 +252,19 @@ def test_decode_attention(page_size: int, head_dim: int, group: int, dtype: torc
         assert_close(out[i : i + 1], expected, dtype, f"sequence {i} of length {n}")
 
 
+@pytest.mark.parametrize(("page_size", "head_dim", "group", "dtype"), ATTENTION_CASES, ids=ATTENTION_IDS)
+def test_decode_attention(page_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    lengths = [2 * page_size + 3, 1, 3 * page_size, page_size]  # page boundaries, a single token
+    check_decodes(generator(3), lengths, page_size, head_dim, group, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_decode_attention_over_lengths_far_apart(dtype: torch.dtype) -> None:
     """Decodes of very different lengths run in separate groups on the CPU; each row still gets its own."""
-    gen = generator(6)
-    page_size, head_dim, group = 8, 64, 4
+    page_size = 8
     lengths = [1, 30 * page_size + 3, 2 * page_size - 1, page_size]
     assert len(group_by_length(lengths, page_size, GROUP_COST_SLOTS)) > 1
-    tables = random_tables(gen, lengths, page_size)
-    kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
-    poison_pages(kv_layer, unowned_pages(tables))
-    q, _, _ = fused_qkv(gen, len(lengths), group * KV_HEADS, head_dim, dtype)
-    decodes = [Chunk(table, n - 1, 1) for table, n in zip(tables, lengths, strict=True)]
-    scale = head_dim**-0.5
-
-    out = BACKEND.paged_attention(q, kv_layer, make_metadata(decodes, [], page_size), scale)
-
-    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
-        k, v = gather_kv(kv_layer, table, n)
-        assert_close(out[i : i + 1], attention_reference(q[i : i + 1], k, v, [n - 1], scale), dtype)
+    check_decodes(generator(6), lengths, page_size, 64, 4, dtype)
 
 
 def partitions(rows: list[int]) -> Iterator[list[list[int]]]:
