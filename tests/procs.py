@@ -17,6 +17,8 @@ from pathlib import Path
 
 import grpc
 
+from memory_daemon.stats import PoolCounts
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.client import tls_credentials
 from services.common.auth import SECRET_ENV, secret_metadata
 from services.common.rpc import wait_for_health
@@ -57,6 +59,19 @@ class _WithSecret(
 def internal_channel(address: str) -> grpc.Channel:
     """A channel to a daemon or worker, carrying the shared secret."""
     return grpc.intercept_channel(grpc.insecure_channel(address), _WithSecret())
+
+
+def pool_counts(daemon_address: str) -> PoolCounts:
+    """The daemon's counts for its one pool."""
+    with internal_channel(daemon_address) as channel:
+        (pool,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
+    return PoolCounts.from_pb(pool)
+
+
+def assert_every_page_accounted(daemon_address: str) -> None:
+    """Every page is free, leased to a worker, or cached and evictable: none is held by a sequence."""
+    counts = pool_counts(daemon_address)
+    assert counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages, counts
 
 
 @dataclass

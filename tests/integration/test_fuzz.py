@@ -22,7 +22,15 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.models import make_model
-from tests.procs import DaemonProcess, Stack, internal_channel, start_daemon, start_stack
+from tests.procs import (
+    DaemonProcess,
+    Stack,
+    assert_every_page_accounted,
+    internal_channel,
+    pool_counts,
+    start_daemon,
+    start_stack,
+)
 
 C = grpc.StatusCode
 PUBLIC_CASES, DAEMON_CASES, ATTACH_CASES, WORKER_CASES = 300, 150, 80, 120
@@ -50,12 +58,6 @@ def healthy(address: str, channel_for: Callable[[str], grpc.Channel] = grpc.inse
     with channel_for(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def pool_counts(address: str) -> PoolCounts:
-    with internal_channel(address) as channel:
-        (pool,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
-    return PoolCounts.from_pb(pool)
 
 
 def mostly(valid: st.SearchStrategy, anything: st.SearchStrategy) -> st.SearchStrategy:
@@ -129,8 +131,7 @@ def test_fuzzed_generate_requests(stack: Stack) -> None:
     print(f"{PUBLIC_CASES} fuzzed GenerateRequests: {seen}")
     assert seen.get("OK") and seen.get("INVALID_ARGUMENT")  # both sides of validation were reached
     assert healthy(stack.address) and healthy(stack.worker_address(), internal_channel)
-    counts = pool_counts(stack.daemon_address)
-    assert counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
+    assert_every_page_accounted(stack.daemon_address)
 
 
 REFUSALS = (C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.PERMISSION_DENIED, C.RESOURCE_EXHAUSTED)

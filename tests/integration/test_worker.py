@@ -16,13 +16,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from memory_daemon.stats import PoolCounts
-from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
-from tests.procs import DaemonProcess, ServiceProcess, internal_channel, start_daemon, start_worker
+from tests.procs import (
+    DaemonProcess,
+    ServiceProcess,
+    assert_every_page_accounted,
+    internal_channel,
+    pool_counts,
+    start_daemon,
+    start_worker,
+)
 
 Reason = generation_pb2.GenerateResponse.FinishReason
 
@@ -111,12 +117,6 @@ def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -
         time.sleep(0.02)
 
 
-def pool_counts(daemon: DaemonProcess) -> PoolCounts:
-    with internal_channel(daemon.address) as channel:
-        (pool,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
-    return PoolCounts.from_pb(pool)
-
-
 def test_greedy_tokens_and_logprobs_match_transformers(
     stream: WorkerStream, model_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
@@ -171,8 +171,7 @@ def test_abort_and_a_dropped_stream_return_every_page(
         pass
     dropped.close()  # the frontend goes away mid-stream
     wait_until_idle(stream.stub)
-    counts = pool_counts(daemon)
-    assert counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
+    assert_every_page_accounted(daemon.address)
 
 
 def test_bad_submits_get_errors_and_the_worker_keeps_serving(
@@ -235,7 +234,7 @@ def test_health_info_and_load(stack: tuple[DaemonProcess, ServiceProcess], strea
     assert (info.max_model_len, info.vocab_size, list(info.eos_token_ids)) == (8192, 49152, [2])
     assert (info.dtype, info.device, info.page_size) == ("float32", "cpu", 16)
     load = stream.stub.GetLoad(worker_pb2.GetLoadRequest())
-    assert load.kv_pages_total == pool_counts(stack[0]).total_pages
+    assert load.kv_pages_total == pool_counts(stack[0].address).total_pages
 
 
 def test_the_prefix_cache_outlives_a_worker_restart(
