@@ -68,10 +68,10 @@ def pool_counts(daemon_address: str) -> PoolCounts:
     return PoolCounts.from_pb(pool)
 
 
-def assert_every_page_accounted(daemon_address: str) -> None:
-    """Every page is free, leased to a worker, or cached and evictable: none is held by a sequence."""
+def every_page_accounted(daemon_address: str) -> bool:
+    """Every page is free, idle in a worker's lease, or cached and evictable: none is held by a sequence."""
     counts = pool_counts(daemon_address)
-    assert counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages, counts
+    return counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
 
 
 @dataclass

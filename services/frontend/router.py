@@ -3,7 +3,8 @@
 A WorkerLink keeps its stream open and reconnects with backoff when it breaks. Everything queued for
 sending while a call is in flight goes out as one WorkerRequest. Each request's outputs arrive on its own
 asyncio queue; when the worker goes away, every request it had gets WorkerDown at once, which the service
-answers with UNAVAILABLE.
+answers with UNAVAILABLE. A worker that is connected but refuses new requests (its KV pool is out of reach)
+says so in its load, and gets none until it says otherwise.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class WorkerLink:
     @property
     def outstanding(self) -> int:
         return len(self._requests)
+
+    @property
+    def accepting(self) -> bool:
+        return self.up and not self.load.unavailable
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"worker-link {self.address}")
@@ -110,12 +115,22 @@ class WorkerLink:
                 await asyncio.sleep(5)
                 return
             self._outbox = asyncio.Queue()
-            call = stub.Connect(self._outgoing(), metadata=self._metadata)
+            messages = aiter(stub.Connect(self._outgoing(), metadata=self._metadata))
+            try:
+                self.load = (await anext(messages)).load  # the worker's first message: its load alone
+            except StopAsyncIteration:
+                return
             self.up = True
             log.info("worker %s (%s) is up", self.address, self.info.worker_name)
+            if self.load.unavailable:
+                log.warning("worker %s refuses requests for now: %s", self.address, self.load.unavailable)
             self._on_change()
-            async for message in call:
-                self.load = message.load
+            async for message in messages:
+                accepted, self.load = self.accepting, message.load
+                if self.accepting != accepted:
+                    change = self.load.unavailable or "accepts requests again"
+                    log.warning("worker %s: %s", self.address, change)
+                    self._on_change()
                 for output in message.outputs:
                     queue = self._requests.get(output.request_id)
                     if queue is None:
@@ -159,7 +174,8 @@ class Router:
 
     @property
     def any_up(self) -> bool:
-        return any(link.up for link in self.links)
+        """Whether some worker accepts requests."""
+        return any(link.accepting for link in self.links)
 
     def start(self) -> None:
         for link in self.links:
@@ -170,8 +186,11 @@ class Router:
 
     def pick(self) -> WorkerLink:
         """The least-loaded worker that is up: fewest requests of ours in flight, then most free pages."""
-        up = [link for link in self.links if link.up]
-        if not up:
-            why = "; ".join(f"{link.address}: {link.down_reason}" for link in self.links)
-            raise ConnectionError(f"no worker is up ({why}); start one with `pagedserve worker`")
-        return min(up, key=lambda link: (link.outstanding, link.load.kv_pages_in_use))
+        up = [link for link in self.links if link.accepting]
+        if up:
+            return min(up, key=lambda link: (link.outstanding, link.load.kv_pages_in_use))
+        refusing = [f"{link.address}: {link.load.unavailable}" for link in self.links if link.up]
+        if refusing:
+            raise ConnectionError(f"no worker accepts requests now ({'; '.join(refusing)})")
+        why = "; ".join(f"{link.address}: {link.down_reason}" for link in self.links)
+        raise ConnectionError(f"no worker is up ({why}); start one with `pagedserve worker`")

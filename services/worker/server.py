@@ -110,16 +110,21 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
 
 
 async def keep_attached(
-    engine: Engine, attach: Callable[[], KVCache], lost: asyncio.Event, health: health_aio.HealthServicer
+    engine: Engine,
+    attach: Callable[[], KVCache],
+    lost: asyncio.Event,
+    health: health_aio.HealthServicer,
+    announce: Callable[[], None],
 ) -> None:
     """When the daemon goes away, fail what runs (UNAVAILABLE) and report NOT_SERVING, then lease anew once
-    it is back."""
+    it is back. announce tells the frontends each change."""
     while True:
         await lost.wait()
         lost.clear()
         log.warning("the memory daemon went away: failing running requests, waiting to re-attach")
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.wrap_future(engine.suspend("the KV memory daemon went away; retry"))
+        announce()
         old = engine.kv
         while True:
             try:
@@ -130,6 +135,7 @@ async def keep_attached(
         await asyncio.wrap_future(engine.resume(kv))
         await asyncio.to_thread(old.close)
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        announce()
         log.info("re-attached to the memory daemon: %d pages", kv.num_pages - 1)
 
 
@@ -151,7 +157,9 @@ async def serve(config: WorkerConfig) -> None:
     )
     reattach = None
     if loaded.attach is not None:
-        reattach = asyncio.create_task(keep_attached(engine, loaded.attach, lost, running.health))
+        reattach = asyncio.create_task(
+            keep_attached(engine, loaded.attach, lost, running.health, service.announce_load)
+        )
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)

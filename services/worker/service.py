@@ -47,6 +47,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         live: set[str] = set()
         reader = asyncio.create_task(self._read(stream, request_iterator, queue, live))
         log.info("frontend stream %d opened by %s", stream, context.peer())
+        yield worker_pb2.StepOutputs(load=self._load())  # whether it accepts requests, before it is sent any
         reading = True
         try:
             while reading or live:
@@ -152,6 +153,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
                     self._loop.call_soon_threadsafe(queue.put_nowait, message)
 
+    def announce_load(self) -> None:
+        """Send every stream the load alone, from the event loop: the frontends learn at once that this
+        worker stopped or started accepting requests."""
+        for queue in self._streams.values():
+            queue.put_nowait(worker_pb2.StepOutputs(load=self._load()))
+
     def _load(self) -> worker_pb2.Load:
         running, waiting = self._engine.load()
         usage = self._engine.kv.usage()
@@ -160,4 +167,5 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             waiting=waiting,
             kv_pages_in_use=usage.in_use_pages + usage.referenced_pages,
             kv_pages_total=self._engine.kv.num_pages - 1,
+            unavailable=self._engine.suspended or "",
         )

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memory_daemon.stats import PoolCounts
-from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
 from services.common.rpc import wait_for_health
-from tests.procs import REPO, Stack, internal_channel, start_stack
+from tests.procs import REPO, Stack, every_page_accounted, internal_channel, start_stack
 
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
 PROMPT = {"messages": [{"role": "user", "content": "Tell me about the history of Paris. " * 6}]}
@@ -50,22 +49,10 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str =
         time.sleep(0.1)
 
 
-def pool(stack: Stack) -> PoolCounts:
-    with internal_channel(stack.daemon_address) as channel:
-        (counts,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
-    return PoolCounts.from_pb(counts)
-
-
 def worker_idle(stack: Stack) -> bool:
     with internal_channel(stack.worker_address()) as channel:
         load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     return load.running == 0 and load.kv_pages_in_use == 0
-
-
-def no_page_held(stack: Stack) -> bool:
-    """Every page is free, idle in a worker's lease, or cached with no reference."""
-    counts = pool(stack)
-    return counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
 
 
 class Streams:
@@ -112,7 +99,10 @@ def test_a_killed_worker_fails_its_streams_fast_leaks_nothing_and_comes_back(tmp
                 assert "went away" in details
                 assert ended - killed < 2.0, f"a stream took {ended - killed:.2f}s to fail"
             wait_for(lambda: "worker-0 is back" in stack.log(), what="the worker's restart")
-            wait_for(lambda: worker_idle(stack) and no_page_held(stack), what="every page back")
+            wait_for(
+                lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address),
+                what="every page back",
+            )
             assert "worker-0 killed by SIGKILL; starting it again" in stack.log()
             wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")  # the frontend reconnected
             again = stub.Complete(generate_request(**PROMPT, max_tokens=8, temperature=0.0))
@@ -130,18 +120,37 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
         with grpc.insecure_channel(stack.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             streams = Streams(stub, 2)
-            os.kill(pid_of(stack, "daemon"), signal.SIGKILL)
-            streams.join()
-            for code, details, _ in streams.ended:
-                assert code == grpc.StatusCode.UNAVAILABLE, details
-                assert "memory daemon" in details
+            os.kill(stack.proc.pid, signal.SIGSTOP)  # hold the launcher: the daemon stays dead for now
+            try:
+                os.kill(pid_of(stack, "daemon"), signal.SIGKILL)
+                streams.join()
+                for code, details, _ in streams.ended:
+                    assert code == grpc.StatusCode.UNAVAILABLE, details
+                    assert "memory daemon" in details
+                # The worker is up but refuses requests, so the frontend is NOT_SERVING and says why.
+                health = health_pb2_grpc.HealthStub(channel)
+                check = health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation")
+                wait_for(
+                    lambda: health.Check(check).status == health_pb2.HealthCheckResponse.NOT_SERVING,
+                    what="the frontend reporting NOT_SERVING",
+                )
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Complete(generate_request("Hi", max_tokens=2))
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no worker accepts requests now" in caught.value.details()
+                assert "the KV memory daemon went away" in caught.value.details()
+            finally:
+                os.kill(stack.proc.pid, signal.SIGCONT)
             wait_for(
                 lambda: "re-attached to the memory daemon" in stack.log(), what="the worker re-attaching"
             )
             wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
             reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
             assert reply.usage.completion_tokens == 4
-            wait_for(lambda: worker_idle(stack) and no_page_held(stack), what="every page back")
+            wait_for(
+                lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address),
+                what="every page back",
+            )
         assert "daemon killed by SIGKILL; starting it again" in stack.log()
     finally:
         assert stack.stop() == 0
@@ -174,6 +183,10 @@ def test_clients_that_vanish_under_load_return_every_page(tmp_path: Path) -> Non
         assert running == 24
         client.kill()  # 24 streams gone without a goodbye
         client.wait()
-        wait_for(lambda: worker_idle(stack) and no_page_held(stack), timeout_s=30, what="every page back")
+        wait_for(
+            lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address),
+            timeout_s=30,
+            what="every page back",
+        )
     finally:
         assert stack.stop() == 0

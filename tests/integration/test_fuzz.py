@@ -25,7 +25,7 @@ from tests.models import make_model
 from tests.procs import (
     DaemonProcess,
     Stack,
-    assert_every_page_accounted,
+    every_page_accounted,
     internal_channel,
     pool_counts,
     start_daemon,
@@ -131,7 +131,7 @@ def test_fuzzed_generate_requests(stack: Stack) -> None:
     print(f"{PUBLIC_CASES} fuzzed GenerateRequests: {seen}")
     assert seen.get("OK") and seen.get("INVALID_ARGUMENT")  # both sides of validation were reached
     assert healthy(stack.address) and healthy(stack.worker_address(), internal_channel)
-    assert_every_page_accounted(stack.daemon_address)
+    assert every_page_accounted(stack.daemon_address)
 
 
 REFUSALS = (C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.PERMISSION_DENIED, C.RESOURCE_EXHAUSTED)

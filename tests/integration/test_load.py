@@ -13,7 +13,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.rpc import CHANNEL_OPTIONS
 from tests.models import make_model
-from tests.procs import assert_every_page_accounted, internal_channel, start_stack
+from tests.procs import every_page_accounted, internal_channel, start_stack
 
 STREAMS = 1000
 TOKENS = 8
@@ -54,6 +54,6 @@ def test_a_thousand_concurrent_streams(tmp_path: Path) -> None:
         with internal_channel(stack.worker_address()) as channel:
             load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
         assert (load.running, load.waiting, load.kv_pages_in_use) == (0, 0, 0)
-        assert_every_page_accounted(stack.daemon_address)
+        assert every_page_accounted(stack.daemon_address)
     finally:
         assert stack.stop() == 0

@@ -23,7 +23,7 @@ from services.common.sampling import SamplingOptions
 from tests.procs import (
     DaemonProcess,
     ServiceProcess,
-    assert_every_page_accounted,
+    every_page_accounted,
     internal_channel,
     pool_counts,
     start_daemon,
@@ -171,7 +171,7 @@ def test_abort_and_a_dropped_stream_return_every_page(
         pass
     dropped.close()  # the frontend goes away mid-stream
     wait_until_idle(stream.stub)
-    assert_every_page_accounted(daemon.address)
+    assert every_page_accounted(daemon.address)
 
 
 def test_bad_submits_get_errors_and_the_worker_keeps_serving(

@@ -88,16 +88,18 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_pages_in_use", "kv_pages_total")
+    __slots__ = ("running", "waiting", "kv_pages_in_use", "kv_pages_total", "unavailable")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_pages_in_use: int
     kv_pages_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_in_use: _Optional[int] = ..., kv_pages_total: _Optional[int] = ...) -> None: ...
+    unavailable: str
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_pages_in_use: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
