@@ -7,6 +7,9 @@ is one call with a causal mask offset by its cached prefix.
 
 On the CPU the gather and the attention over it cost more than the GEMMs once contexts reach a few hundred
 tokens, and their cost is the padded length: so decodes of very different lengths go in separate groups.
+Grouping also keeps each gather small: one padded gather over many long contexts is tens of MiB, which
+glibc maps afresh for every layer (it serves allocations over 32 MiB straight from mmap), and faulting that
+in costs more than the copy. scripts/bench_decode_groups.py compares the two ways.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ GROUP_COST_SLOTS = 384
 class TorchBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, group_cost: int = GROUP_COST_SLOTS) -> None:
+        self.group_cost = group_cost  # scripts/bench_decode_groups.py compares a huge one: a single group
         # The decode groups of the step being run, worked out at its first layer: (its metadata, groups).
         self._groups: tuple[AttentionMetadata | None, list[tuple[torch.Tensor, int]]] = (None, [])
 
@@ -103,7 +107,7 @@ class TorchBackend:
             # A group's first row has its most pages, which is all that its gather needs to know.
             groups = [
                 (torch.tensor(rows, device=device), lengths[rows[0]])
-                for rows in group_by_length(lengths, page_size, GROUP_COST_SLOTS)
+                for rows in group_by_length(lengths, page_size, self.group_cost)
             ]
             self._groups = (meta, groups)
         return self._groups[1]
