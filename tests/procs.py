@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from memory_daemon.stats import PoolCounts
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.client import tls_credentials
 from services.common.auth import SECRET_ENV, secret_metadata
+from services.common.default_model import default_model_dir
 from services.common.rpc import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,3 +265,16 @@ def start_stack(
     credentials = tls_credentials(str(tls_ca)) if tls_ca else None
     wait_for_health(address, timeout_s=10, service="pagedserve.v1.Generation", credentials=credentials)
     return stack
+
+
+@contextlib.contextmanager
+def module_stack(*extra: str) -> Iterator[Stack]:
+    """`pagedserve up` on the default model in a folder of its own, for a test module's fixture; it must stop
+    cleanly and leave no process behind."""
+    default_model_dir()  # convert once before the processes race for it
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
+    running = start_stack(run_dir, *extra)
+    yield running
+    assert running.stop() == 0, running.log()
+    assert not running.survivors(), "pagedserve up left processes behind"
+    shutil.rmtree(run_dir, ignore_errors=True)

@@ -156,8 +156,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def announce_load(self) -> None:
         """Send every stream the load alone, from the event loop: the frontends learn at once that this
         worker stopped or started accepting requests."""
+        message = worker_pb2.StepOutputs(load=self._load())
         for queue in self._streams.values():
-            queue.put_nowait(worker_pb2.StepOutputs(load=self._load()))
+            queue.put_nowait(message)
 
     def _load(self) -> worker_pb2.Load:
         running, waiting = self._engine.load()

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.common.default_model import default_model_dir
-from tests.procs import REPO, Stack, start_stack
+from tests.procs import REPO, Stack, module_stack
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    default_model_dir()
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
-    running = start_stack(run_dir, "--kv-memory", "256MiB")
-    yield running
-    assert running.stop() == 0, running.log()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with module_stack("--kv-memory", "256MiB") as running:
+        yield running
 
 
 def bench(stack: Stack, out: Path, *args: str) -> dict:

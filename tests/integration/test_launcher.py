@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,24 +19,25 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
-from services.common.default_model import default_model_dir
 from tests.models import make_model
-from tests.procs import Stack, free_port, internal_channel, launch_stack, start_service, start_stack
+from tests.procs import (
+    Stack,
+    free_port,
+    internal_channel,
+    launch_stack,
+    module_stack,
+    start_service,
+    start_stack,
+)
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def two_workers() -> Iterator[Stack]:
-    default_model_dir()
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
-    running = start_stack(
-        run_dir, "--workers", "2", "--kv-memory", "256MiB", "--max-running", "64", "--max-waiting", "512"
-    )
-    yield running
-    assert running.stop() == 0, running.log()
-    assert not running.survivors()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    limits = ("--max-running", "64", "--max-waiting", "512")
+    with module_stack("--workers", "2", "--kv-memory", "256MiB", *limits) as running:
+        yield running
 
 
 def running_on(stack: Stack, index: int) -> int:

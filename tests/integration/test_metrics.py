@@ -4,8 +4,6 @@ numbers, and each process's /metrics is scraped over HTTP and parsed with promet
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,7 +19,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import Stack, start_stack
+from tests.procs import Stack, module_stack, start_stack
 
 PAGE_SIZE = 16  # the launcher's default
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog, and the dog does not mind at all. " * 8
@@ -79,13 +77,8 @@ def test_no_metrics_writes_null_endpoints(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    default_model_dir()
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
-    running = start_stack(run_dir, "--kv-memory", "128MiB")
-    yield running
-    assert running.stop() == 0, running.log()
-    assert not running.survivors()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with module_stack("--kv-memory", "128MiB") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

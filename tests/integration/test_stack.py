@@ -5,10 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +21,7 @@ from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import REPO, Stack, internal_channel, start_stack
+from tests.procs import REPO, Stack, internal_channel, module_stack
 
 Reason = pb.GenerateResponse.FinishReason
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -32,13 +30,8 @@ GREEDY = {"temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    default_model_dir()  # convert once before the processes race for it
-    run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
-    running = start_stack(run_dir, "--kv-memory", "256MiB")
-    yield running
-    assert running.stop() == 0, running.log()
-    assert not running.survivors(), "pagedserve up left processes behind"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with module_stack("--kv-memory", "256MiB") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

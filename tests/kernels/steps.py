@@ -1,4 +1,4 @@
-"""One engine step's attention metadata, built from hand-made chunks, for the kernel tests."""
+"""For the kernel tests: one engine step's attention metadata from hand-made chunks, and a model spec."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import LlamaConfig
 
 from kernels.backend import AttentionMetadata
+from services.worker.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -64,3 +66,18 @@ def make_metadata(
         prefill_pos=tensor([p for chunk in prefills for p in chunk.positions]),
         decode_max_len=max((c.end for c in decodes), default=0) if decode_max_len is None else decode_max_len,
     )
+
+
+def llama_spec(head_dim: int, max_positions: int = 64) -> ModelSpec:
+    """A one-layer Llama's spec: for the rotary table and the per-head norms."""
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=2 * head_dim,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+    )
+    return ModelSpec.from_hf(config)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from kernels import AttentionMetadata, TorchBackend, cuda_ops
 from kernels.cupy_backend import CupyBackend
@@ -30,11 +29,11 @@ from kernels.tuning import Tuning
 from services.common.sampling import SamplingOptions
 from services.worker.batch import build_batch
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.models import CausalLM, ModelSpec
+from services.worker.models import CausalLM
 from services.worker.models.llama import rotary_table
 from services.worker.scheduler import ScheduledSeq
 from services.worker.sequence import Sequence
-from tests.kernels.steps import Chunk, make_metadata, slots_of
+from tests.kernels.steps import Chunk, llama_spec, make_metadata, slots_of
 from tests.models import make_model
 
 pytestmark = [
@@ -205,20 +204,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     )
-
-
-def llama_spec(head_dim: int, max_positions: int) -> ModelSpec:
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=2 * head_dim,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-    )
-    return ModelSpec.from_hf(config)
 
 
 # KV write -----------------------------------------------------------------------------------------------

@@ -13,14 +13,12 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kernels import TorchBackend
 from kernels.torch_ref import GROUP_COST_SLOTS, group_by_length
 from services.worker.models.llama import rotary_table
-from services.worker.models.spec import ModelSpec
-from tests.kernels.steps import Chunk, make_metadata
+from tests.kernels.steps import Chunk, llama_spec, make_metadata
 
 PAGE_SIZES = (8, 16, 32)
 HEAD_DIMS = (16, 64, 128)
@@ -173,20 +171,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert error <= TOLERANCE[dtype] * scale, (
         f"{what}: max error {error:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
     )
-
-
-def llama_spec(head_dim: int, max_positions: int = 64) -> ModelSpec:
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=2 * head_dim,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-    )
-    return ModelSpec.from_hf(config)
 
 
 # write_kv -----------------------------------------------------------------------------------------------
