@@ -66,6 +66,10 @@ def compile_cubin(
         nvrtc.destroyProgram(program)
 
 
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
 def device_arch() -> str:
     import cupy
 
@@ -78,7 +82,7 @@ def load_kernel(name: str, function: str, macros: tuple[tuple[str, object], ...]
     import cupy
 
     arch = device_arch()
-    version = ".".join(map(str, _nvrtc().getVersion()))
+    version = ".".join(map(str, nvrtc_version()))
     key = hashlib.sha256(f"{source(name)}|{macros}|{arch}|{version}".encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"{name}-{arch}-{key}.cubin"
     if not path.exists():

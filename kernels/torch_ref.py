@@ -135,7 +135,7 @@ class TorchBackend:
             attn_mask=valid[:, None, None, :],
             scale=scale,
         )
-        return out.view(seqs, q_heads, head_dim)
+        return out.reshape(seqs, q_heads, head_dim)  # CUDA fp32 SDPA may return it non-contiguous
 
     def _prefill(
         self, q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
