@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import sys
 import time
@@ -184,7 +185,8 @@ def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
         time.sleep(0.05)
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(timeout=20) == 0, stack.log()
-    assert "stopped while worker-0 was starting" in stack.log()
+    # The worker may have come up meanwhile: then the frontend was the one starting.
+    assert re.search(r"stopped while (worker-0|frontend) was starting", stack.log()), stack.log()
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
 
 
