@@ -170,9 +170,9 @@ def paged_decode(
     _launch(kernel, (seqs, kv_heads, partitions), (tuning.decode_warps * 32,), args, q.device)
     if partitions > 1:
         reduce = _kernel("paged_decode", "paged_decode_reduce", shape.dtype, **macros)
-        args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(seq_lens),
-                np.int32(kv_heads), np.int32(partitions), np.int32(tuning.partition_size))  # fmt: skip
-        _launch(reduce, (seqs, q.shape[1]), (head_dim,), args, q.device)
+        reduce_args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(seq_lens),
+                       np.int32(kv_heads), np.int32(partitions), np.int32(tuning.partition_size))  # fmt: skip
+        _launch(reduce, (seqs, q.shape[1]), (head_dim,), reduce_args, q.device)
 
 
 def paged_prefill(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.default_model import cache_dir
+from pagedserve.plumbing.paths import cache_dir
 
 if TYPE_CHECKING:
     import cupy

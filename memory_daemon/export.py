@@ -6,9 +6,9 @@ shared mmap. Nothing here uses multiprocessing.shared_memory, whose resource_tra
 any process that attached to it exits.
 
 CUDA: the pool is one plain cudaMalloc through CuPy's runtime API: not CuPy's memory pool, which
-sub-allocates, and never managed or VMM memory, which cudaIpcGetMemHandle cannot export. The descriptor
-carries the handle of the whole base allocation, the pool's byte offset in it, and the device UUID, since
-device indices differ between processes (CUDA_VISIBLE_DEVICES).
+sub-allocates, and never managed or VMM memory, which cudaIpcGetMemHandle cannot export. The handle
+carries the IPC handle of the whole base allocation, the pool's byte offset in it, and the device UUID,
+since device indices differ between processes (CUDA_VISIBLE_DEVICES).
 
 The daemon side never imports torch; the worker side (`map_pool`) does.
 """
@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from memory_daemon.shape import PoolShape
-from pagedserve.memory.v1 import memory_pb2
-from services.common.errors import ResourceExhausted
-from services.common.sizes import format_bytes
+from pagedserve.plumbing.errors import ResourceExhausted
+from pagedserve.plumbing.sizes import format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -34,11 +34,35 @@ log = logging.getLogger(__name__)
 _SHM_NAME = re.compile(r"^pagedserve-kv-(\d+)-(\d+)\.bin$")
 
 
+@dataclass(frozen=True)
+class ShmHandle:
+    path: str  # the pool file in a tmpfs folder
+
+
+@dataclass(frozen=True)
+class CudaHandle:
+    ipc_handle: bytes  # of the whole base allocation
+    offset: int  # the pool's bytes start here in it
+    device_uuid: str
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """What a worker needs to map a pool."""
+
+    pool_id: int
+    shape: PoolShape
+    num_pages: int
+    nbytes: int
+    handle: ShmHandle | CudaHandle
+
+
 class Storage(Protocol):
     label: str
 
-    def describe(self, descriptor: memory_pb2.PoolDescriptor) -> None:
-        """Fill in the descriptor's storage field."""
+    @property
+    def handle(self) -> ShmHandle | CudaHandle:
+        """What a worker needs to map this memory."""
 
     def close(self) -> None: ...
 
@@ -49,6 +73,7 @@ class ShmStorage:
     def __init__(self, folder: Path, pool_id: int, nbytes: int) -> None:
         self.path = folder / f"pagedserve-kv-{os.getpid()}-{pool_id}.bin"
         self.label = f"shm:{self.path}"
+        self.handle = ShmHandle(str(self.path))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -60,9 +85,6 @@ class ShmStorage:
             ) from exc
         finally:
             os.close(fd)
-
-    def describe(self, descriptor: memory_pb2.PoolDescriptor) -> None:
-        descriptor.shm.path = str(self.path)
 
     def close(self) -> None:
         # Workers that still map the file keep its memory until they unmap; the name goes now.
@@ -107,15 +129,11 @@ class CudaStorage:
                     "register a smaller pool"
                 ) from exc
             runtime.memset(self.ptr, 0, nbytes)
-            self.handle = bytes(runtime.ipcGetMemHandle(self.ptr))
-        self.offset = 0  # the pool starts at the base of its own allocation
-        self.uuid = cuda_device_uuid(device_index)
-        self.label = f"cuda:{self.uuid}"
-
-    def describe(self, descriptor: memory_pb2.PoolDescriptor) -> None:
-        descriptor.cuda.ipc_handle = self.handle
-        descriptor.cuda.offset = self.offset
-        descriptor.cuda.device_uuid = self.uuid
+            ipc_handle = bytes(runtime.ipcGetMemHandle(self.ptr))
+        uuid = cuda_device_uuid(device_index)
+        self.label = f"cuda:{uuid}"
+        # The pool starts at the base of its own allocation.
+        self.handle = CudaHandle(ipc_handle, offset=0, device_uuid=uuid)
 
     def close(self) -> None:
         import cupy
@@ -132,23 +150,21 @@ def cuda_device_uuid(device_index: int) -> str:
     return f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
 
 
-def map_pool(descriptor: memory_pb2.PoolDescriptor) -> torch.Tensor:
+def map_pool(descriptor: PoolDescriptor) -> torch.Tensor:
     """Map an exported pool as [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], zero-copy."""
     import torch
 
-    shape = PoolShape.from_pb(descriptor.shape)
+    shape = descriptor.shape
     dtype = getattr(torch, shape.dtype)
     dims = shape.tensor_shape(descriptor.num_pages)
-    kind = descriptor.WhichOneof("storage")
-    if kind == "shm":
+    handle = descriptor.handle
+    if isinstance(handle, ShmHandle):
         numel = descriptor.nbytes // shape.itemsize
-        return torch.from_file(descriptor.shm.path, shared=True, size=numel, dtype=dtype).view(dims)
-    if kind == "cuda":
-        return _map_cuda(descriptor.cuda, descriptor.nbytes).view(dtype).view(dims)
-    raise ValueError(f"pool descriptor has no storage the worker knows: {kind!r}")
+        return torch.from_file(handle.path, shared=True, size=numel, dtype=dtype).view(dims)
+    return _map_cuda(handle, descriptor.nbytes).view(dtype).view(dims)
 
 
-def _map_cuda(ipc: memory_pb2.CudaIpc, nbytes: int) -> torch.Tensor:
+def _map_cuda(ipc: CudaHandle, nbytes: int) -> torch.Tensor:
     import cupy
     import torch
 

@@ -10,8 +10,8 @@ Every usable page is in exactly one state:
 Page 0 is the null page: never leased, so block tables can pad with it.
 
 `update` and `grant` check a whole request before changing anything, so bad input changes nothing and the
-counts stay exact. Misuse raises ValueError, PermissionError or FailedPrecondition with a message naming
-the page and the fix; "no room now" is None, not an error.
+counts stay exact. Misuse raises InvalidArgument, PermissionDenied or FailedPrecondition (the checks are in
+`checks`) with a message naming the page and the fix; "no room now" is None, not an error.
 """
 
 from __future__ import annotations
@@ -19,52 +19,17 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
+from collections.abc import Callable, Sequence
 
-from memory_daemon.prefix import MAX_KEY_BYTES, PrefixIndex
+from memory_daemon.checks import RequestChecks
+from memory_daemon.lease import NULL_PAGE, Lease, PageState
+from memory_daemon.prefix import PrefixIndex
 from memory_daemon.refill import RefillPolicy, RefillSettings
-from memory_daemon.stats import PoolCounts, WorkerUsage
-from services.common.errors import FailedPrecondition
-
-NULL_PAGE = 0
+from memory_daemon.stats import PoolCounts
+from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument
 
 
-class PageState(IntEnum):
-    FREE = 0
-    LEASED = 1
-    SHARED = 2
-    NULL = 3
-
-
-@dataclass(eq=False)
-class Lease:
-    lease_id: str
-    worker_id: int
-    name: str
-    model_id: str
-    refill: RefillPolicy
-    pages: set[int] = field(default_factory=set)  # LEASED pages
-    refs: Counter[int] = field(default_factory=Counter)  # SHARED page -> references held
-    idle: int = 0  # pages on the worker's local free list, as last reported
-
-    def __str__(self) -> str:
-        return f"worker {self.name!r} (id {self.worker_id})"
-
-    def usage(self) -> WorkerUsage:
-        return WorkerUsage(
-            worker_id=self.worker_id,
-            name=self.name,
-            model_id=self.model_id,
-            leased_pages=len(self.pages),
-            idle_pages=self.idle,
-            referenced_pages=len(self.refs),
-            refill_pages=self.refill.pages,
-        )
-
-
-class PageLedger:
+class PageLedger(RequestChecks):
     def __init__(
         self,
         num_pages: int,
@@ -74,7 +39,9 @@ class PageLedger:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_pages < 2:
-            raise ValueError(f"a pool needs at least 2 pages (the null page and one more), got {num_pages}")
+            raise InvalidArgument(
+                f"a pool needs at least 2 pages (the null page and one more), got {num_pages}"
+            )
         self.num_pages = num_pages
         self.low_watermark = low_watermark
         self.index = PrefixIndex()
@@ -92,10 +59,6 @@ class PageLedger:
         self.prefix_hits = 0
         self.prefix_queried_pages = 0
         self.prefix_hit_pages = 0
-
-    @property
-    def usable_pages(self) -> int:
-        return self.num_pages - 1
 
     @property
     def free_pages(self) -> int:
@@ -224,7 +187,7 @@ class PageLedger:
     def lookup(self, lease: Lease, keys: Sequence[bytes]) -> list[int]:
         """The longest cached run of pages for a key chain, with a reference taken on each for lease."""
         if len(keys) > self.usable_pages:
-            raise ValueError(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
+            raise InvalidArgument(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
         self._check_keys(keys)
         pages = []
         for key in keys:
@@ -306,55 +269,3 @@ class PageLedger:
                 return
             self._free_page(page)
             self.evictions += 1
-
-    def _check_page_id(self, page: int) -> None:
-        if not NULL_PAGE < page < self.num_pages:
-            null = " (page 0 is the null page and is never leased)" if page == NULL_PAGE else ""
-            raise ValueError(
-                f"page {page} is out of range: this pool's pages are 1..{self.num_pages - 1}{null}"
-            )
-
-    def _check_leased_by(self, lease: Lease, pages: Iterable[int], verb: str) -> None:
-        seen: set[int] = set()
-        for page in pages:
-            self._check_page_id(page)
-            if page in seen:
-                raise FailedPrecondition(f"cannot {verb} page {page} twice in one update")
-            seen.add(page)
-            state, holder = self._state[page], self._holder[page]
-            if state == PageState.LEASED and holder is lease:
-                continue
-            if state == PageState.FREE:
-                raise FailedPrecondition(f"cannot {verb} page {page}: it is already free (a double free?)")
-            if state == PageState.LEASED:
-                raise PermissionError(f"cannot {verb} page {page}: it is leased to {holder}, not to {lease}")
-            raise FailedPrecondition(
-                f"cannot {verb} page {page}: it is shared, not leased; drop your reference with unref instead"
-            )
-
-    def _check_refs(self, lease: Lease, unref: Sequence[int], published: set[int]) -> None:
-        for page, count in Counter(unref).items():
-            self._check_page_id(page)
-            held = lease.refs[page] + (page in published)
-            if count <= held:
-                continue
-            if self._state[page] == PageState.LEASED and page not in published:
-                raise FailedPrecondition(
-                    f"cannot unref page {page}: it is leased, not shared; release it instead"
-                )
-            raise FailedPrecondition(
-                f"cannot unref page {page} {count} time(s): {lease} holds {held} reference(s) on it "
-                "(a double free?)"
-            )
-
-    def _check_count(self, name: str, value: int) -> None:
-        if not 0 <= value <= self.usable_pages:
-            raise ValueError(
-                f"{name} must be between 0 and the pool's {self.usable_pages} pages, got {value}"
-            )
-
-    @staticmethod
-    def _check_keys(keys: Iterable[bytes]) -> None:
-        for key in keys:
-            if not 0 < len(key) <= MAX_KEY_BYTES:
-                raise ValueError(f"a page key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")

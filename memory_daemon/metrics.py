@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from memory_daemon.service import MemoryDaemonService
 from memory_daemon.stats import PoolCounts
-from services.common.metrics import METRICS_HOST, serve_metrics
+from pagedserve.plumbing.metrics import MetricsSettings
 
 SNAPSHOT_INTERVAL_S = 0.5
 
@@ -83,14 +83,14 @@ class PoolSnapshots(Collector):
 
 
 def start_metrics(
-    service: MemoryDaemonService, port: int, host: str = METRICS_HOST, registry: CollectorRegistry = REGISTRY
+    service: MemoryDaemonService, settings: MetricsSettings, registry: CollectorRegistry = REGISTRY
 ) -> asyncio.Task[None]:
-    """Snapshot the service's pools on this loop, register the collector and serve /metrics on host:port.
+    """Snapshot the service's pools on this loop, register the collector and serve /metrics.
 
     Returns the snapshot task; cancel it at shutdown.
     """
     snapshots = PoolSnapshots(service.pool_counts)
     registry.register(snapshots)
     task = asyncio.create_task(snapshots.run(), name="metrics-snapshots")
-    serve_metrics(port, host)
+    settings.serve()
     return task

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memory_daemon.export import Storage
+from memory_daemon.export import PoolDescriptor, Storage
 from memory_daemon.ledger import PageLedger
 from memory_daemon.shape import PoolShape
-from pagedserve.memory.v1 import memory_pb2
 
 
 @dataclass(eq=False)
@@ -26,14 +25,5 @@ class Pool:
     def nbytes(self) -> int:
         return self.num_pages * self.shape.page_bytes
 
-    def descriptor(self) -> memory_pb2.PoolDescriptor:
-        descriptor = memory_pb2.PoolDescriptor(
-            pool_id=self.pool_id, shape=self.shape.to_pb(), num_pages=self.num_pages, nbytes=self.nbytes
-        )
-        self.storage.describe(descriptor)
-        return descriptor
-
-    def stats(self) -> memory_pb2.PoolStats:
-        return self.ledger.counts().to_pb(
-            pool_id=self.pool_id, shape=self.shape.to_pb(), storage=self.storage.label
-        )
+    def descriptor(self) -> PoolDescriptor:
+        return PoolDescriptor(self.pool_id, self.shape, self.num_pages, self.nbytes, self.storage.handle)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedserve.plumbing.settings import setting
+
 
 @dataclass(frozen=True)
 class RefillSettings:
-    min_pages: int = 8
-    max_pages: int = 4096
+    min_pages: int = setting(8, "the smallest refill, in pages", flag="--min-refill")
+    max_pages: int = setting(4096, "the largest refill, in pages", flag="--max-refill")
     horizon_s: float = 1.0  # a refill should last this long at the recent rate
     half_life_s: float = 2.0  # how fast the rate forgets
 

@@ -17,13 +17,16 @@ import grpc
 
 from memory_daemon.config import DaemonConfig
 from memory_daemon.export import CudaStorage, ShmStorage, Storage
-from memory_daemon.ledger import Lease, PageLedger
+from memory_daemon.lease import Lease as WorkerLease
+from memory_daemon.ledger import PageLedger
 from memory_daemon.pool import Pool
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
+from memory_daemon.wire import descriptor_to_pb, pool_stats_to_pb, shape_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
-from services.common.errors import FailedPrecondition, ResourceExhausted
-from services.common.sizes import format_bytes
+from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from pagedserve.plumbing.settings import cuda_index
+from pagedserve.plumbing.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             attached = memory_pb2.Attached(
                 lease_id=lease.lease_id,
                 worker_id=lease.worker_id,
-                pool=pool.descriptor(),
+                pool=descriptor_to_pb(pool.descriptor()),
                 refill_pages=lease.refill.pages,
             )
             yield memory_pb2.AttachEvent(attached=attached)
@@ -106,7 +109,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def GetStats(
         self, request: memory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.DaemonStats:
-        return memory_pb2.DaemonStats(pools=[pool.stats() for pool in self._pools.values()])
+        return memory_pb2.DaemonStats(pools=[pool_stats_to_pb(pool) for pool in self._pools.values()])
 
     def pool_counts(self) -> list[tuple[int, PoolCounts]]:
         """Every pool's id and counts (call on the daemon's event loop, like any handler)."""
@@ -119,23 +122,25 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
 
     # Internals -------------------------------------------------------------------------------------
 
-    def _find(self, lease_id: str) -> tuple[Pool, Lease]:
+    def _find(self, lease_id: str) -> tuple[Pool, WorkerLease]:
         pool = self._pool_by_lease.get(lease_id)
         if pool is None:
-            raise KeyError(
+            raise NotFound(
                 f"unknown lease {lease_id!r}: attach first; a lease ends when its Attach stream closes"
             )
         return pool, pool.ledger.leases[lease_id]
 
     def _pool_for(self, request: memory_pb2.AttachRequest) -> Pool:
         if not request.model_id:
-            raise ValueError("model_id is empty: name the model, so that its cached prefixes stay its own")
+            raise InvalidArgument(
+                "model_id is empty: name the model, so that its cached prefixes stay its own"
+            )
         if request.device and request.device.split(":")[0] != self._config.device_kind:
             raise FailedPrecondition(
                 f"this daemon's pools live on {self._config.device}, which a {request.device} worker cannot "
                 f"map; start the daemon with --device {request.device}"
             )
-        shape = PoolShape.from_pb(request.shape)
+        shape = shape_from_pb(request.shape)
         known = self._shape_by_model.get(request.model_id)
         if known is not None and known != shape:
             raise FailedPrecondition(
@@ -155,7 +160,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             nbytes = request.memory_bytes if size == "memory_bytes" else self._config.pool_bytes
             num_pages = nbytes // shape.page_bytes
         if not 2 <= num_pages <= MAX_PAGES:
-            raise ValueError(
+            raise InvalidArgument(
                 f"a pool needs 2 to {MAX_PAGES} pages of {format_bytes(shape.page_bytes)} each, "
                 f"but this registration gives {num_pages}"
             )
@@ -185,10 +190,10 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
 
     def _allocate(self, pool_id: int, nbytes: int) -> Storage:
         if self._config.device_kind == "cuda":
-            return CudaStorage(self._config.cuda_index, nbytes)
+            return CudaStorage(cuda_index(self._config.device), nbytes)
         return ShmStorage(Path(self._config.shm_dir), pool_id, nbytes)
 
-    def _ask_for_reclaim(self, pool: Pool, requester: Lease, need: int) -> None:
+    def _ask_for_reclaim(self, pool: Pool, requester: WorkerLease, need: int) -> None:
         """Ask workers sitting on idle pages to return some, so that the requester can retry."""
         shortfall = need - pool.ledger.free_pages - pool.ledger.index.evictable_pages
         for lease, pages in pool.ledger.reclaim_plan(requester, shortfall):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from pagedserve.memory.v1 import memory_pb2
+from pagedserve.plumbing.errors import InvalidArgument
 
-DType = Literal["float32", "float16", "bfloat16"]
+DType = Literal["float32", "bfloat16", "float16"]  # the one list of the dtypes a pool (and a model) can have
 ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_PAGE_SIZE = 16
 _LIMITS = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 1024, "page_size": 1024}
@@ -27,9 +27,9 @@ class PoolShape:
         for name, limit in _LIMITS.items():
             value = getattr(self, name)
             if not 1 <= value <= limit:
-                raise ValueError(f"{name} must be between 1 and {limit}, got {value}")
+                raise InvalidArgument(f"{name} must be between 1 and {limit}, got {value}")
         if self.dtype not in get_args(DType):
-            raise ValueError(f"dtype must be one of {', '.join(get_args(DType))}, got {self.dtype!r}")
+            raise InvalidArgument(f"dtype must be one of {', '.join(get_args(DType))}, got {self.dtype!r}")
 
     @property
     def itemsize(self) -> int:
@@ -47,23 +47,4 @@ class PoolShape:
         return (
             f"{self.num_layers} layers x {self.num_kv_heads} KV heads x head dim {self.head_dim}, "
             f"{self.dtype}, {self.page_size} tokens a page"
-        )
-
-    def to_pb(self) -> memory_pb2.PoolShape:
-        return memory_pb2.PoolShape(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            page_size=self.page_size,
-        )
-
-    @classmethod
-    def from_pb(cls, pb: memory_pb2.PoolShape) -> PoolShape:
-        return cls(
-            num_layers=pb.num_layers,
-            num_kv_heads=pb.num_kv_heads,
-            head_dim=pb.head_dim,
-            dtype=pb.dtype,  # type: ignore[arg-type]  # checked in __post_init__
-            page_size=pb.page_size or DEFAULT_PAGE_SIZE,
         )

@@ -1,10 +1,8 @@
-"""Pool statistics as plain dataclasses, converted to and from protobuf at the service boundary."""
+"""Pool statistics as plain dataclasses; `wire` converts them to and from protobuf."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-
-from pagedserve.memory.v1 import memory_pb2
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -39,16 +37,3 @@ class PoolCounts:
     def settled(self) -> bool:
         """Every page is free or cached: nothing leased, nothing referenced."""
         return self.leased_pages == 0 and self.free_pages + self.evictable_pages == self.total_pages
-
-    def to_pb(self, **extra: object) -> memory_pb2.PoolStats:
-        scalars = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "workers"}
-        workers = [memory_pb2.WorkerUsage(**asdict(w)) for w in self.workers]
-        return memory_pb2.PoolStats(**scalars, workers=workers, **extra)
-
-    @classmethod
-    def from_pb(cls, pb: memory_pb2.PoolStats) -> PoolCounts:
-        scalars = {f.name: getattr(pb, f.name) for f in fields(cls) if f.name != "workers"}
-        workers = tuple(
-            WorkerUsage(**{f.name: getattr(w, f.name) for f in fields(WorkerUsage)}) for w in pb.workers
-        )
-        return cls(**scalars, workers=workers)

@@ -26,8 +26,8 @@ from kernels import TorchBackend  # noqa: E402
 from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
-from services.worker.engine import Engine, EngineConfig  # noqa: E402
-from services.worker.kv import LocalKVCache  # noqa: E402
+from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import CausalLM  # noqa: E402
 
 ONE_GROUP = 2**62  # a group cost no padding outweighs
@@ -50,10 +50,10 @@ def main() -> int:
     spec = model.spec
     shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
     kv = LocalKVCache(shape, 3 * 2**30 // shape.page_bytes)
-    engine = Engine(model, kv, EngineConfig(max_num_seqs=args.requests, prefix_caching=False))
+    engine = EngineCore(model, kv, EngineConfig(max_num_seqs=args.requests, prefix_caching=False))
     options = SamplingOptions(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     for key, length in enumerate(lengths):
-        engine.submit(key, [rng.randint(100, spec.vocab_size - 1) for _ in range(length)], options)
+        engine.add_request(key, [rng.randint(100, spec.vocab_size - 1) for _ in range(length)], options)
     decode_step = (args.requests, args.requests)  # (tokens, sampled rows): every request decodes
     while engine.last_batch != decode_step:
         engine.step()  # prefill every prompt

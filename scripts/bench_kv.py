@@ -23,9 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memory_daemon.shape import PoolShape  # noqa: E402
+from memory_daemon.wire import shape_to_pb  # noqa: E402
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
-from services.common.rpc import wait_for_health  # noqa: E402
-from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache  # noqa: E402
+from pagedserve.plumbing.rpc import wait_for_health  # noqa: E402
+from services.worker.kv.base import KVCache  # noqa: E402
+from services.worker.kv.local import LocalKVCache  # noqa: E402
+from services.worker.kv.remote import DaemonKVCache  # noqa: E402
 
 # SmolLM2-135M's KV geometry: 30 layers, 3 KV heads of 64, fp32, 16 tokens a page.
 SHAPE = PoolShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", page_size=16)
@@ -56,7 +59,7 @@ def bench_rpc(address: str, seconds: float) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = memory_pb2_grpc.MemoryDaemonStub(channel)
         request = memory_pb2.AttachRequest(
-            worker_name="bench-rpc", model_id="bench", shape=SHAPE.to_pb(), num_pages=NUM_PAGES
+            worker_name="bench-rpc", model_id="bench", shape=shape_to_pb(SHAPE), num_pages=NUM_PAGES
         )
         attach = stub.Attach(request)
         lease_id = next(attach).attached.lease_id

@@ -34,12 +34,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 
 from kernels import TorchBackend  # noqa: E402
 from memory_daemon.shape import PoolShape  # noqa: E402
+from pagedserve.plumbing.rpc import wait_for_health  # noqa: E402
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
-from services.common.rpc import wait_for_health  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
-from services.worker.engine import Engine, EngineConfig  # noqa: E402
-from services.worker.kv import DaemonKVCache, KVCache, LocalKVCache  # noqa: E402
+from services.common.wire import sampling_to_pb  # noqa: E402
+from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.kv.base import KVCache  # noqa: E402
+from services.worker.kv.local import LocalKVCache  # noqa: E402
+from services.worker.kv.remote import DaemonKVCache  # noqa: E402
 from services.worker.models import CausalLM  # noqa: E402
 
 KV_BYTES = 512 * 2**20
@@ -57,18 +60,18 @@ def make_prompts(tokenizer: AutoTokenizer, count: int, length: int) -> list[list
 
 
 def run_in_lockstep(
-    engines: dict[str, Engine], prompts: list[list[int]], output_tokens: int
+    engines: dict[str, EngineCore], prompts: list[list[int]], output_tokens: int
 ) -> dict[str, list[Step]]:
     """Generate the same requests on every engine, alternating their steps so that they share the machine's
     noise; return each engine's steps: (tokens, sampled rows, seconds)."""
     options = SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         for key, prompt in enumerate(prompts):
-            engine.submit(key, prompt, options)
+            engine.add_request(key, prompt, options)
     steps: dict[str, list[Step]] = {name: [] for name in engines}
-    while any(engine.has_work() for engine in engines.values()):
+    while any(engine.has_unfinished() for engine in engines.values()):
         for name, engine in engines.items():
-            if engine.has_work():
+            if engine.has_unfinished():
                 begin = time.perf_counter()
                 engine.step()
                 steps[name].append((*engine.last_batch, time.perf_counter() - begin))
@@ -107,7 +110,7 @@ def worker_process_throughput(
     try:
         wait_for_health(address, timeout_s=180)
         requests: queue.Queue[worker_pb2.WorkerRequest | None] = queue.Queue()
-        options = SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True).to_pb()
+        options = sampling_to_pb(SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True))
         with grpc.insecure_channel(address) as channel:
             replies = worker_pb2_grpc.WorkerStub(channel).Connect(iter(requests.get, None))
             # Warm up with one short request, then time the batch.
@@ -142,30 +145,13 @@ def worker_process_throughput(
         worker.wait(timeout=30)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--max-batched-tokens", type=int, default=EngineConfig().max_batched_tokens)
-    args = parser.parse_args()
-    n, out_len = args.requests, args.output_tokens
-    torch.manual_seed(0)
-    model_dir = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = make_prompts(tokenizer, n, args.prompt_tokens)
-    model = CausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
-    )
+def engine_throughputs(
+    model: CausalLM, config: EngineConfig, prompts: list[list[int]], out_len: int
+) -> tuple[dict[str, float], dict[str, list[Step]]]:
+    """Output tokens/s of the engine core on an in-process pool and on the daemon's, stepped in turn, and
+    of a real worker process over gRPC; and the two cores' step logs."""
     spec = model.spec
     shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
-    config = EngineConfig(
-        max_batched_tokens=args.max_batched_tokens, max_num_seqs=max(n, 16), prefix_caching=False
-    )
-    threads = torch.get_num_threads()
-    print(f"SmolLM2-135M fp32, {threads} threads: {n} requests x {args.prompt_tokens} prompt tokens "
-          f"-> {out_len} output tokens, greedy; max_batched_tokens {config.max_batched_tokens}")  # fmt: skip
-
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     daemon_address = f"unix:{run_dir}/daemon.sock"
     daemon = subprocess.Popen(
@@ -181,11 +167,11 @@ def main() -> int:
                 daemon_address, model_id="bench", shape=shape, memory_bytes=KV_BYTES
             ),
         }
-        engines = {name: Engine(model, kv, config) for name, kv in caches.items()}
+        engines = {name: EngineCore(model, kv, config) for name, kv in caches.items()}
         run_in_lockstep(engines, prompts[:2], 4)  # warm up
         step_logs = run_in_lockstep(engines, prompts, out_len)
         for name, steps in step_logs.items():
-            results[f"engine, {name}"] = n * out_len / sum(seconds for _, _, seconds in steps)
+            results[f"engine, {name}"] = len(prompts) * out_len / sum(seconds for _, _, seconds in steps)
             caches[name].close()
         results["worker process over gRPC"] = worker_process_throughput(
             daemon_address, run_dir, prompts, out_len
@@ -193,9 +179,14 @@ def main() -> int:
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
+    return results, step_logs
 
+
+def hf_throughputs(model_dir: Path, prompts: list[list[int]], out_len: int) -> dict[str, float]:
+    """Output tokens/s of transformers' static-batch generate and of generate_batch."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     batch = torch.tensor(prompts)
+    results: dict[str, float] = {}
     with torch.inference_mode():
         hf.generate(batch[:2], max_new_tokens=4, do_sample=False)  # warm up
         start = time.perf_counter()
@@ -206,7 +197,7 @@ def main() -> int:
             min_new_tokens=out_len,
             do_sample=False,
         )
-        results["HF generate, static batch"] = n * out_len / (time.perf_counter() - start)
+        results["HF generate, static batch"] = len(prompts) * out_len / (time.perf_counter() - start)
         generation = GenerationConfig(
             max_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0
         )
@@ -214,12 +205,12 @@ def main() -> int:
         produced = hf.generate_batch(inputs=prompts, generation_config=generation, max_new_tokens=out_len)
         elapsed = time.perf_counter() - start
         results["HF generate_batch"] = sum(len(o.generated_tokens) for o in produced.values()) / elapsed
+    return results
 
-    print(f"\n{'output tokens/s':<34} {'tok/s':>8} {'vs HF static':>13}")
-    for name, rate in results.items():
-        print(f"{name:<34} {rate:>8.1f} {rate / results['HF generate, static batch']:>12.2f}x")
 
-    steps = step_logs["in-process pool"]
+def print_gemm_share(model: CausalLM, steps: list[Step]) -> None:
+    """The engine's model FLOP/s beside torch's GEMM rate at the same shapes, overall and by phase."""
+    spec = model.spec
     gemm = {shape: gemm_seconds(model, *shape) for shape in {(tokens, rows) for tokens, rows, _ in steps}}
     print(
         f"\nmodel FLOP/s = 2 x {spec.num_parameters / 1e6:.1f}M parameters x tokens processed / time"
@@ -239,9 +230,36 @@ def main() -> int:
         engine_time = sum(seconds for _, _, seconds in chosen)
         gemm_time = sum(gemm[(tokens, rows)] for tokens, rows, _ in chosen)
         rates = f"{flops / engine_time / 1e9:>15.1f} {flops / gemm_time / 1e9:>19.1f}"
-        print(f"{label:<22} {processed:>7} {rates} "
-              f"{gemm_time / engine_time:>14.1%}")  # fmt: skip
+        print(f"{label:<22} {processed:>7} {rates} {gemm_time / engine_time:>14.1%}")
     print("target: 85% or more of the GEMM rate")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=EngineConfig().max_batched_tokens)
+    args = parser.parse_args()
+    n, out_len = args.requests, args.output_tokens
+    torch.manual_seed(0)
+    model_dir = default_model_dir()
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), n, args.prompt_tokens)
+    model = CausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
+    )
+    config = EngineConfig(
+        max_batched_tokens=args.max_batched_tokens, max_num_seqs=max(n, 16), prefix_caching=False
+    )
+    threads = torch.get_num_threads()
+    print(f"SmolLM2-135M fp32, {threads} threads: {n} requests x {args.prompt_tokens} prompt tokens "
+          f"-> {out_len} output tokens, greedy; max_batched_tokens {config.max_batched_tokens}")  # fmt: skip
+    results, step_logs = engine_throughputs(model, config, prompts, out_len)
+    results |= hf_throughputs(model_dir, prompts, out_len)
+    print(f"\n{'output tokens/s':<34} {'tok/s':>8} {'vs HF static':>13}")
+    for name, rate in results.items():
+        print(f"{name:<34} {rate:>8.1f} {rate / results['HF generate, static batch']:>12.2f}x")
+    print_gemm_share(model, step_logs["in-process pool"])
     # The two engines stepped in turn, so step i of one ran right beside step i of the other: the median of
     # the paired ratios cancels most of the machine's drift.
     decode = {name: [s for t, r, s in log if t == r == n] for name, log in step_logs.items()}

@@ -1,4 +1,9 @@
-"""The `pagedserve` command: one subcommand per process or client."""
+"""The `pagedserve` command: one subcommand per process or client.
+
+A process module (`memory_daemon.server`, `services.worker.server`, `services.frontend.server`) names its
+config class as CONFIG, whose fields are its flags, and runs with `run(config)`. The other commands bring
+`add_arguments(parser)` and `run(args)`, and `up` a `configure(args)` between the two.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module with add_arguments and run, help)
+from pagedserve.plumbing import settings
+
+# subcommand -> (module, help)
 COMMANDS = {
-    "up": ("services.launcher", "run the whole stack: daemon, workers and frontend"),
+    "up": ("services.up", "run the whole stack: daemon, workers and frontend"),
     "daemon": ("memory_daemon.server", "run the KV memory daemon"),
     "worker": ("services.worker.server", "run a compute worker"),
     "frontend": ("services.frontend.server", "run the public gRPC frontend"),
@@ -30,17 +37,22 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == name:  # import only what the chosen command needs: torch is slow to load
             module = importlib.import_module(module_name)
             sub.description = module.__doc__
-            module.add_arguments(sub)
-            # A process module also has config_from_args, whose errors are told as usage, not a traceback.
-            sub.set_defaults(run=module.run, configure=getattr(module, "config_from_args", None), usage=sub)
+            if hasattr(module, "CONFIG"):
+                settings.add_arguments(sub, module.CONFIG)
+            else:
+                module.add_arguments(sub)
+            sub.set_defaults(module=module, usage=sub)
     args = parser.parse_args(argv)
-    if args.configure is None:
-        return args.run(args)
-    try:
-        config = args.configure(args)
-    except (ValueError, OSError) as error:  # a value out of range, an unreadable secret file
-        args.usage.error(str(error))
-    return args.run(args, config)
+    module = args.module
+    if hasattr(module, "CONFIG"):
+        return int(module.run(settings.configure(args.usage, module.CONFIG, args)))
+    if hasattr(module, "configure"):
+        try:
+            plan = module.configure(args)
+        except (ValueError, OSError) as error:  # a value out of range, an unreadable file
+            args.usage.error(str(error))
+        return int(module.run(plan))
+    return int(module.run(args))
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 
+from pagedserve.plumbing.auth import API_TOKEN_ENV, bearer_metadata
+from pagedserve.plumbing.rpc import open_channel, wait_for_health
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from services.common.auth import API_TOKEN_ENV, bearer_metadata
-from services.common.rpc import open_channel, wait_for_health
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 

@@ -1,48 +1,24 @@
-"""`pagedserve up`: the daemon, the workers and the frontend as separate OS processes on this machine.
+"""The child processes of `pagedserve up`: started in order, each once healthy, restarted when they die.
 
-Internal services talk over unix sockets in a private run folder; only the frontend listens on TCP, with
-TLS and a bearer token if asked. The internal calls carry a shared secret made fresh for each run and handed
-to the children in their environment. Each child starts only after the one it needs reports SERVING through
-grpc.health.v1, and every line a child prints comes out prefixed with its name. Ctrl-C or SIGTERM drains
-the frontend, then stops the workers and the daemon; children also get SIGTERM if this process dies
-(PR_SET_PDEATHSIG), so none is orphaned. If a child dies, the launcher says which one and why, and starts
-it again: a worker re-attaches to the daemon's pool, whose cached prefixes outlive it, and after a daemon
-restart the workers attach to the new one. A child that keeps dying (more than RESTART_LIMIT restarts in a
-minute), or any death under --no-restart, stops the whole stack. Ctrl-C while the stack is still starting
-stops it too, within a second.
-
-The launcher checks the frontend's health on a unix socket of its own (--local-address), so that a TLS
-certificate issued for another name, or a wildcard --host, does not stand in the way.
-
-Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
-`{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
-{"frontend": {"address", "metrics"}, "daemon": {"address", "metrics"}, "workers": [{"name", "address",
-"metrics"}]}, with null metrics when they are off.
+Each child starts only after the one it needs reports SERVING through grpc.health.v1, and every line a
+child prints comes out prefixed with its name. Children get SIGTERM if this process dies
+(PR_SET_PDEATHSIG), so none is orphaned, and run in sessions of their own, so that a terminal's Ctrl-C
+reaches only the launcher, which stops them in order: the frontend drains first, the daemon goes last. A
+child that dies is started again, unless it died more than RESTART_LIMIT times within a minute.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
-import os
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from services.common.auth import SECRET_ENV
-from services.common.metrics import METRICS_HOST, metrics_url
-from services.common.rpc import wait_for_health
-from services.common.sizes import parse_bytes
+from pagedserve.plumbing.rpc import wait_for_health
 
 _PR_SET_PDEATHSIG = 1
 
@@ -162,139 +138,3 @@ class ChildDied(RuntimeError):
     def __init__(self, child: Child, why: str = "") -> None:
         self.child = child
         super().__init__(f"{child.name} {child.exit_reason()}{why}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="the frontend's host (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=50051, help="the frontend's port; 0 picks a free one")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="the workers' dtype: auto is float32 on the CPU, bfloat16 on CUDA",
-    )
-    parser.add_argument("--workers", type=int, default=1, help="compute workers sharing the pool")
-    parser.add_argument(
-        "--kv-memory", type=parse_bytes, default=2**30, help="the KV pool's size (default: 1GiB)"
-    )
-    parser.add_argument("--max-batched-tokens", type=int, help="the workers' token budget a step")
-    parser.add_argument("--max-num-seqs", type=int, help="the workers' most sequences a step")
-    parser.add_argument("--max-running", type=int, help="the frontend's requests in workers at once")
-    parser.add_argument("--max-waiting", type=int, help="the frontend's queue behind them")
-    parser.add_argument(
-        "--no-metrics", action="store_true", help="serve no Prometheus metrics (default: each process does)"
-    )
-    parser.add_argument(
-        "--run-dir", type=Path, help="where the internal unix sockets go (default: a new temp dir)"
-    )
-    parser.add_argument("--no-restart", action="store_true", help="stop the stack when a child dies")
-    parser.add_argument("--api-token-file", help="the frontend requires this bearer token")
-    parser.add_argument(
-        "--tls-cert", help="the frontend serves TLS with this PEM certificate (and --tls-key)"
-    )
-    parser.add_argument("--tls-key", help="the PEM private key of --tls-cert")
-    parser.add_argument("--log-level", default="INFO")
-
-
-def run(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="pagedserve-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Every child inherits the run's shared secret; one already set in the environment is kept.
-    env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)}
-    launcher = Launcher(run_dir, env)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: launcher.stopping.set())
-    address = f"{args.host}:{args.port or _free_port(args.host)}"
-    try:
-        endpoints = _start_stack(launcher, args, address)
-        _write_json(run_dir / "endpoints.json", endpoints)
-        launcher.say(f"pagedserve is up on {address} with {args.workers} worker(s); Ctrl-C stops it")
-        if not args.no_metrics:
-            named = [("frontend", endpoints["frontend"]), ("daemon", endpoints["daemon"])]
-            named += [(worker["name"], worker) for worker in endpoints["workers"]]
-            launcher.say("metrics: " + ", ".join(f"{name} {where['metrics']}" for name, where in named))
-        while not launcher.stopping.wait(0.2):
-            dead = launcher.first_dead()
-            if dead is not None:
-                if args.no_restart:
-                    raise ChildDied(dead)
-                launcher.restart(dead)
-        launcher.say("stopping: the frontend drains first")
-        return 0
-    except Interrupted as exc:
-        launcher.say(str(exc))
-        return 0
-    except (ChildDied, TimeoutError) as exc:
-        launcher.say(f"{exc}; stopping the rest")
-        return 1
-    finally:
-        launcher.stop_all()
-        if args.run_dir is None:
-            shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _start_stack(launcher: Launcher, args: argparse.Namespace, address: str) -> dict[str, Any]:
-    """Start every process in order; returns their endpoints, as endpoints.json holds them."""
-    common = ["--log-level", args.log_level]
-    model = ["--model", args.model] if args.model else []
-
-    def metrics() -> tuple[list[str], str | None]:
-        if args.no_metrics:
-            return [], None
-        port = _free_port(METRICS_HOST)
-        return ["--metrics-port", str(port)], metrics_url(port)
-
-    daemon_address = f"unix:{launcher.run_dir}/daemon.sock"
-    daemon_flags, daemon_metrics = metrics()
-    daemon = ["daemon", "--address", daemon_address, "--device", args.device, *daemon_flags, *common]
-    launcher.start("daemon", daemon, daemon_address)
-    workers: list[dict[str, str | None]] = []
-    for i in range(args.workers):
-        worker_address = f"unix:{launcher.run_dir}/worker-{i}.sock"
-        worker = ["worker", "--name", f"worker-{i}", "--address", worker_address, "--daemon", daemon_address]
-        worker += [
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--kv-memory",
-            str(args.kv_memory),
-            *model,
-            *common,
-        ]
-        worker += _given_flags(args, "max_batched_tokens", "max_num_seqs")
-        worker_flags, worker_metrics = metrics()
-        launcher.start(f"worker-{i}", worker + worker_flags, worker_address)
-        workers.append({"name": f"worker-{i}", "address": worker_address, "metrics": worker_metrics})
-    frontend_flags, frontend_metrics = metrics()  # picked just before use: a free port may not stay free
-    local_address = f"unix:{launcher.run_dir}/frontend.sock"
-    frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
-    frontend += [*model, *common, *(arg for worker in workers for arg in ("--worker", worker["address"]))]
-    frontend += _given_flags(args, "api_token_file", "tls_cert", "tls_key", "max_running", "max_waiting")
-    launcher.start("frontend", frontend, local_address, "pagedserve.v1.Generation")
-    return {
-        "frontend": {"address": address, "metrics": frontend_metrics},
-        "daemon": {"address": daemon_address, "metrics": daemon_metrics},
-        "workers": workers,
-    }
-
-
-def _given_flags(args: argparse.Namespace, *names: str) -> list[str]:
-    """The options among names that the user gave, as flags to pass on to a child."""
-    given = [(name, getattr(args, name)) for name in names if getattr(args, name) is not None]
-    return [arg for name, value in given for arg in (f"--{name.replace('_', '-')}", str(value))]
-
-
-def _write_json(path: Path, value: object) -> None:
-    """Write whole or not at all: a reader never sees half a file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=2) + "\n")
-    partial.replace(path)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.worker.kv import KVCache, LocalKVCache
+from services.worker.kv.base import KVCache
+from services.worker.kv.local import LocalKVCache
 
 
 def assert_pages_back(kv: KVCache) -> None:

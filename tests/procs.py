@@ -21,11 +21,12 @@ from pathlib import Path
 import grpc
 
 from memory_daemon.stats import PoolCounts
+from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.plumbing.auth import SECRET_ENV, secret_metadata
+from pagedserve.plumbing.rpc import wait_for_health
 from services.client import tls_credentials
-from services.common.auth import SECRET_ENV, secret_metadata
 from services.common.default_model import default_model_dir
-from services.common.rpc import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
 # Every process the tests start inherits this secret, as `pagedserve up` hands its children one.
@@ -69,7 +70,7 @@ def pool_counts(daemon_address: str) -> PoolCounts:
     """The daemon's counts for its one pool."""
     with internal_channel(daemon_address) as channel:
         (pool,) = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest()).pools
-    return PoolCounts.from_pb(pool)
+    return counts_from_pb(pool)
 
 
 def every_page_accounted(daemon_address: str) -> bool:

@@ -56,7 +56,7 @@ def hf_static(
         steps = max(r.max_tokens for r in batch)
         clock = _StepClock()
         with torch.inference_mode():
-            out = model.generate(
+            out = model.generate(  # type: ignore[operator]
                 ids,
                 attention_mask=mask,
                 max_new_tokens=steps,
@@ -85,7 +85,7 @@ def hf_continuous(
 ) -> list[RequestRecord]:
     """With a concurrency, a closed loop of that many requests; else each request at its arrival time."""
     config = GenerationConfig(do_sample=False, eos_token_id=eos_ids or -1, max_new_tokens=1)
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config)  # type: ignore[operator]
     manager.start()
     pending = sorted(requests, key=lambda r: r.arrival)
     sent: dict[str, RequestRecord] = {}

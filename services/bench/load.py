@@ -12,10 +12,10 @@ import time
 import grpc
 from tqdm import tqdm
 
+from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.bench.results import RequestRecord
 from services.bench.workloads import BenchRequest
-from services.common.rpc import CHANNEL_OPTIONS
 
 
 async def run_load(

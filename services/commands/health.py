@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedserve.plumbing.rpc import wait_for_health
 from services.client import tls_credentials
-from services.common.rpc import wait_for_health
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

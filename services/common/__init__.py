@@ -1,1 +1,3 @@
-"""What every pagedserve process shares: gRPC plumbing, error mapping and logging."""
+"""What the frontend and the worker share, torch-free: the request's checked sampling options
+(`sampling`) and limits (`limits`), the Worker contract's conversions (`wire`), and the default model's
+folder (`default_model`, converted by `convert_gguf` in a child process)."""

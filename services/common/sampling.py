@@ -1,7 +1,8 @@
 """Sampling options: one checked dataclass that the frontend builds from a request and the worker obeys.
 
-The meanings are vLLM's SamplingParams'. Bad values raise ValueError with a message that says which field
-and what range, so the frontend can answer INVALID_ARGUMENT with it.
+The meanings are vLLM's SamplingParams'. Each field has the name of its `pagedserve.v1.SamplingParams`
+field, which is how the servicers convert (`services.common.wire`). Bad values raise InvalidArgument with a
+message that says which field and what range.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedserve.worker.v1 import worker_pb2
+from pagedserve.plumbing.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy, and dividing by it would overflow fp32
@@ -41,15 +42,15 @@ class SamplingOptions:
             "frequency_penalty",
         ):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"sampling.{name} must be a finite number, got {getattr(self, name)}")
+                raise InvalidArgument(f"sampling.{name} must be a finite number, got {getattr(self, name)}")
         _check_range("max_tokens", self.max_tokens, 1, 1 << 20)
         _check_range("temperature", self.temperature, 0.0, 100.0)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         _check_range("top_k", self.top_k, -1, 1 << 20)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(
+            raise InvalidArgument(
                 f"sampling.repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
             )
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -58,40 +59,7 @@ class SamplingOptions:
         if self.seed is not None:
             _check_range("seed", self.seed, -(1 << 63), (1 << 63) - 1)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"sampling.stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
-
-    def to_pb(self) -> worker_pb2.SamplingOptions:
-        return worker_pb2.SamplingOptions(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-        )
-
-    @classmethod
-    def from_pb(cls, pb: worker_pb2.SamplingOptions) -> SamplingOptions:
-        return cls(
-            max_tokens=pb.max_tokens,
-            temperature=pb.temperature,
-            top_p=pb.top_p,
-            top_k=pb.top_k,
-            min_p=pb.min_p,
-            repetition_penalty=pb.repetition_penalty,
-            presence_penalty=pb.presence_penalty,
-            frequency_penalty=pb.frequency_penalty,
-            seed=pb.seed if pb.HasField("seed") else None,
-            stop_token_ids=tuple(pb.stop_token_ids),
-            ignore_eos=pb.ignore_eos,
-            logprobs=pb.logprobs,
-        )
+            raise InvalidArgument(f"sampling.stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
 
     @property
     def greedy(self) -> bool:
@@ -108,4 +76,4 @@ class SamplingOptions:
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
-        raise ValueError(f"sampling.{name} must be between {low} and {high}, got {value}")
+        raise InvalidArgument(f"sampling.{name} must be between {low} and {high}, got {value}")

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from services.common.errors import ResourceExhausted
+from pagedserve.plumbing.errors import ResourceExhausted
 
 
 class Admission:

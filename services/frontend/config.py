@@ -1,44 +1,68 @@
-"""The frontend's configuration: one frozen dataclass, checked on construction."""
+"""The frontend's configuration: one frozen dataclass, whose fields are also its command-line flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from services.common.metrics import METRICS_HOST, check_metrics_port
+from pagedserve.plumbing.auth import API_TOKEN_ENV, read_secret_file, secret_setting
+from pagedserve.plumbing.logs import log_level_setting
+from pagedserve.plumbing.metrics import MetricsSettings
+from pagedserve.plumbing.settings import check_settings, nested, not_negative, positive, setting
+
+
+def _unix_socket(address: str) -> str | None:
+    return None if address.startswith("unix:") else f"must be a unix socket (unix:/path), got {address}"
 
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    address: str = "127.0.0.1:50051"  # the public port; 0.0.0.0:50051 to serve other machines
-    workers: tuple[str, ...] = ("127.0.0.1:50053",)
-    model: str | None = None  # for the tokenizer and chat template; None means the default model
-    max_running: int = 256  # requests in workers at once
-    max_waiting: int = 1024  # requests queued behind them; more are refused with RESOURCE_EXHAUSTED
-    default_max_tokens: int = 256
+    address: str = setting("127.0.0.1:50051", "host:port to serve; 0.0.0.0:50051 serves other machines")
+    workers: tuple[str, ...] = setting(
+        ("127.0.0.1:50053",),
+        "a worker's address; repeat for several",
+        flag="--worker",
+        metavar="ADDRESS",
+        shown_default="127.0.0.1:50053",
+    )
+    model: str | None = setting(None, "the model folder, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    max_running: int = setting(256, "requests in workers at once", check=positive)
+    max_waiting: int = setting(
+        1024, "requests queued behind them; more are refused with RESOURCE_EXHAUSTED", check=not_negative
+    )
+    default_max_tokens: int = setting(256, "max_tokens of a request that sets none", check=positive)
     shutdown_grace_s: float = 10.0
-    metrics_port: int = 0  # Prometheus /metrics on metrics_host:PORT; 0 serves none
-    metrics_host: str = METRICS_HOST
-    secret: str | None = field(default=None, repr=False)  # presented to workers (services.common.auth)
-    api_token: str | None = field(default=None, repr=False)  # clients must present it as a bearer token
-    tls_cert: str | None = None  # PEM files: with both, the public port serves TLS
-    tls_key: str | None = None
-    # A unix socket serving the same without TLS, for this machine's tools: `pagedserve up` checks health
-    # there, whatever name the certificate carries. The bearer token still applies.
-    local_address: str | None = None
+    metrics: MetricsSettings = nested(MetricsSettings)
+    secret: str | None = secret_setting()  # presented to workers
+    api_token: str | None = setting(
+        None,
+        "a file holding the bearer token that clients must present",
+        flag="--api-token-file",
+        convert=read_secret_file,
+        env=API_TOKEN_ENV,
+        metavar="FILE",
+        secret=True,
+    )
+    tls_cert: str | None = setting(
+        None, "a PEM certificate chain: serve TLS (with --tls-key)", metavar="FILE"
+    )
+    tls_key: str | None = setting(None, "the PEM private key of --tls-cert", metavar="FILE")
+    # `pagedserve up` checks health on this socket, whatever name the certificate carries.
+    local_address: str | None = setting(
+        None,
+        "also serve on this unix socket (unix:/path), without TLS, for this machine's tools",
+        check=_unix_socket,
+    )
+    log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if not self.workers:
             raise ValueError("the frontend needs at least one --worker")
-        if self.max_running < 1 or self.max_waiting < 0 or self.default_max_tokens < 1:
-            raise ValueError("max_running and default_max_tokens must be positive, max_waiting not negative")
-        check_metrics_port(self.metrics_port)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
-        if self.local_address is not None and not self.local_address.startswith("unix:"):
-            raise ValueError(f"--local-address must be a unix socket (unix:/path), got {self.local_address}")
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if self.tls_cert is None or self.tls_key is None:

@@ -22,8 +22,8 @@ from types import TracebackType
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from pagedserve.plumbing.status import status_of
 from pagedserve.v1 import generation_pb2
-from services.common.errors import status_for
 from services.frontend.admission import Admission
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -116,4 +116,4 @@ class RequestTracker:
             # Within 10 ms of its deadline, a cancelled call is taken to have run out of time.
             expired = remaining is not None and remaining < 0.01
             return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-        return status_for(exc)[0]
+        return status_of(exc)[0]

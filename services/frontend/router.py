@@ -16,18 +16,22 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from pagedserve.plumbing.auth import secret_metadata
+from pagedserve.plumbing.errors import Unavailable
+from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.auth import secret_metadata
-from services.common.rpc import CHANNEL_OPTIONS
 from services.common.sampling import SamplingOptions
+from services.common.wire import sampling_to_pb
+from services.frontend.validation import ModelLimits
 
 log = logging.getLogger(__name__)
 
-Output = worker_pb2.RequestOutput | ConnectionError
 
-
-class WorkerDown(ConnectionError):
+class WorkerDown(Unavailable):
     """The worker serving a request went away mid-request."""
+
+
+Output = worker_pb2.RequestOutput | WorkerDown
 
 
 class WorkerLink:
@@ -52,6 +56,11 @@ class WorkerLink:
         return len(self._requests)
 
     @property
+    def serves_model(self) -> bool:
+        """Whether the worker has said that it serves the frontend's model."""
+        return self.info is not None and self.info.model_id == self.model_id
+
+    @property
     def accepting(self) -> bool:
         return self.up and not self.load.unavailable
 
@@ -72,7 +81,10 @@ class WorkerLink:
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._requests[request_id] = queue
         submit = worker_pb2.Submit(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=options.to_pb(), priority=priority
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling_to_pb(options),
+            priority=priority,
         )
         self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit]))
         return request_id, queue
@@ -169,7 +181,7 @@ class Router:
         secret: str | None = None,
     ) -> None:
         if not addresses:
-            raise ValueError("the frontend needs at least one worker address")
+            raise ValueError("the frontend needs at least one worker address")  # FrontendConfig checks it
         self.links = [WorkerLink(address, model_id, on_change, secret) for address in addresses]
 
     @property
@@ -191,6 +203,14 @@ class Router:
             return min(up, key=lambda link: (link.outstanding, link.load.kv_pages_in_use))
         refusing = [f"{link.address}: {link.load.unavailable}" for link in self.links if link.up]
         if refusing:
-            raise ConnectionError(f"no worker accepts requests now ({'; '.join(refusing)})")
+            raise Unavailable(f"no worker accepts requests now ({'; '.join(refusing)})")
         why = "; ".join(f"{link.address}: {link.down_reason}" for link in self.links)
-        raise ConnectionError(f"no worker is up ({why}); start one with `pagedserve worker`")
+        raise Unavailable(f"no worker is up ({why}); start one with `pagedserve worker`")
+
+    def limits(self) -> ModelLimits:
+        """The model's limits, as its workers report them; Unavailable until one has been reached."""
+        info = next((link.info for link in self.links if link.serves_model), None)
+        if info is None:
+            self.pick()  # raises Unavailable, saying why no worker is up
+            raise Unavailable("no worker has reported the model's limits yet; retry")
+        return ModelLimits(vocab_size=info.vocab_size, max_model_len=info.max_model_len)

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 import grpc
 from transformers import PreTrainedTokenizerBase
 
+from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from services.common.errors import ResourceExhausted
+from services.common.wire import error_of
 from services.frontend.admission import Admission
 from services.frontend.detokenizer import TextStream
 from services.frontend.metrics import RequestTracker
@@ -24,12 +25,6 @@ from services.frontend.router import Router
 from services.frontend.validation import PreparedRequest, RequestBuilder
 
 Reason = generation_pb2.GenerateResponse.FinishReason
-# A worker's refusal, as the exception the error interceptor turns back into the same status.
-_WORKER_ERRORS: dict[int, type[Exception]] = {
-    grpc.StatusCode.INVALID_ARGUMENT.value[0]: ValueError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE.value[0]: ConnectionError,
-}
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -38,13 +33,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         router: Router,
         admission: Admission,
         builder: RequestBuilder,
-        model_info: generation_pb2.ModelInfo,
+        model_id: str,
     ) -> None:
         self._router = router
         self._admission = admission
         self._builder = builder
         self._tokenizer: PreTrainedTokenizerBase = builder.tokenizer
-        self._model_info = model_info
+        self._model_id = model_id
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -72,7 +67,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.TokenizeResponse:
         if bool(request.text) == bool(request.messages):
-            raise ValueError("set exactly one of text or messages")
+            raise InvalidArgument("set exactly one of text or messages")
         if request.messages:
             ids = await asyncio.to_thread(self._builder.prompt_ids, "", [], list(request.messages))
         else:
@@ -85,17 +80,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        info = generation_pb2.ModelInfo()
-        info.CopyFrom(self._model_info)
-        worker = next((link.info for link in self._router.links if link.up and link.info), None)
-        if worker is not None:  # how it runs is the workers' to say
+        info = generation_pb2.ModelInfo(model_id=self._model_id)
+        worker = next((link.info for link in self._router.links if link.serves_model), None)
+        if worker is not None:  # the model's limits, and how it runs, are the workers' to say
+            info.max_context_length, info.vocab_size = worker.max_model_len, worker.vocab_size
+            info.eos_token_ids.extend(worker.eos_token_ids)
             info.dtype, info.device, info.page_size = worker.dtype, worker.device, worker.page_size
         return info
 
     async def _prepare(self, request: generation_pb2.GenerateRequest) -> PreparedRequest:
         # Off the event loop: a prompt of megabytes takes seconds to tokenize, and every other stream and
         # health check would wait for it. The tokenizer's settings never change, so threads share it safely.
-        return await asyncio.to_thread(self._builder.prepare, request)
+        return await asyncio.to_thread(self._builder.prepare, request, self._router.limits())
 
     async def _generate(
         self, prepared: PreparedRequest, tracker: RequestTracker
@@ -114,7 +110,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     if isinstance(output, Exception):
                         raise output
                     if output.error:
-                        raise _WORKER_ERRORS.get(output.error_code, RuntimeError)(output.error)
+                        raise error_of(output)
                     completion_tokens += len(output.token_ids)
                     delta = text.push(output.token_ids)
                     reason = output.finish_reason
@@ -148,4 +144,4 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one service per process, and the cache is the point
     def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+        return str(self._tokenizer.decode([token_id]))

@@ -1,48 +1,64 @@
-"""The worker's configuration: one frozen dataclass, checked on construction."""
+"""The worker's configuration: one frozen dataclass, whose fields are also its command-line flags."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from services.common.metrics import METRICS_HOST, check_metrics_port
-from services.worker.engine import EngineConfig
+from memory_daemon.shape import DType
+from pagedserve.plumbing.auth import secret_setting
+from pagedserve.plumbing.logs import log_level_setting
+from pagedserve.plumbing.metrics import MetricsSettings
+from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, setting
+from pagedserve.plumbing.sizes import parse_bytes
+from services.worker.core.engine import EngineConfig
 
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+PageSize = Literal[8, 16, 32]  # what the CUDA kernels are built for
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: str | None = None  # a Hugging Face folder; None means the default model
-    model_id: str | None = None  # the prefix cache's name for the model; derived from the folder when None
-    name: str = "worker"
-    address: str = "127.0.0.1:50053"
-    daemon: str | None = "127.0.0.1:50052"  # None runs an in-process pool instead of the daemon's
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kv_memory_bytes: int = 2**30  # the pool's size, when this worker creates it
-    page_size: int = 16
-    threads: int = 0  # torch threads; 0 keeps torch's default
-    kernels: Literal["auto", "torch", "cupy"] = "auto"  # auto: the CuPy kernels on CUDA, torch on the CPU
-    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    secret: str | None = field(default=None, repr=False)  # the stack's shared secret (services.common.auth)
-    metrics_port: int = 0  # Prometheus /metrics on metrics_host:PORT; 0 serves none
-    metrics_host: str = METRICS_HOST
+    model: str | None = setting(None, "a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    model_id: str | None = setting(None, "the prefix cache's name for the model (default: from the folder)")
+    name: str = setting("worker", "this worker's name in logs and statistics")
+    address: str = setting("127.0.0.1:50053", "host:port or unix:/path to serve on")
+    kv: Literal["daemon", "local"] = setting(
+        "daemon", "lease the KV pool from the daemon, or keep one in this process"
+    )
+    daemon: str = setting("127.0.0.1:50052", "the memory daemon's address")
+    device: str = setting("cpu", "cpu, cuda or cuda:N", check=device)
+    dtype: Literal["auto"] | DType = setting(
+        "auto", "the model's dtype: auto is float32 on the CPU, bfloat16 on CUDA"
+    )
+    kv_memory_bytes: int = setting(
+        2**30,
+        "the KV pool's size, if this worker creates it",
+        flag="--kv-memory",
+        convert=parse_bytes,
+        shown_default="1GiB",
+    )
+    page_size: PageSize = setting(16, "tokens a KV page holds")
+    threads: int = setting(0, "torch threads; 0 keeps torch's choice", check=not_negative)
+    kernels: Literal["auto", "torch", "cupy"] = setting(
+        "auto", "attention and fused kernels: auto takes CuPy's on CUDA, torch's on the CPU"
+    )
+    cuda_graphs: bool = setting(True, "replay decode steps as CUDA graphs (CUDA only)")
+    engine: EngineConfig = nested(EngineConfig)
+    metrics: MetricsSettings = nested(MetricsSettings)
+    secret: str | None = secret_setting()
+    log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
-        if not _DEVICE.match(self.device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.page_size not in (8, 16, 32):
-            raise ValueError(f"page_size must be 8, 16 or 32, got {self.page_size}")
+        check_settings(self)
         if self.kernels == "cupy" and self.device == "cpu":
             raise ValueError("the CuPy kernels need --device cuda")
-        check_metrics_port(self.metrics_port)
+
+    @property
+    def daemon_address(self) -> str | None:
+        """The daemon to lease from; None for an in-process pool."""
+        return self.daemon if self.kv == "daemon" else None
 
     @property
     def kernel_backend(self) -> Literal["torch", "cupy"]:

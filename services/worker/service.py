@@ -1,9 +1,10 @@
-"""The Worker gRPC servicer: one multiplexed Connect stream per frontend connection.
+"""The Worker gRPC servicer: one multiplexed Connect stream per frontend connection, at the engine's edge.
 
-The engine thread hands each step's outputs to `_on_outputs`, which splits them by stream and passes one
-StepOutputs per stream to the event loop. A request is keyed in the engine by (stream, request id); when
-a stream ends, a crashed frontend included, every request it still had running is aborted, so its pages
-come back within one step.
+The engine thread hands each step's outputs to `_on_outputs`, which converts them to messages, splits them
+by stream and passes one StepOutputs per stream to the event loop. A request is keyed in the engine by
+(stream, request id); when a stream ends, a crashed frontend included, every request it still had running
+is aborted, so its pages come back within one step. This module and `wire` are the only places where the
+worker's plain values meet protobuf.
 """
 
 from __future__ import annotations
@@ -14,23 +15,30 @@ import itertools
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
 
 import grpc
 
+from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.errors import ResourceExhausted, status_for
-from services.common.sampling import SamplingOptions
-from services.worker.engine import Engine, RequestOutput
+from services.common.wire import error_fields, sampling_from_pb
+from services.worker.config import WorkerConfig
+from services.worker.core.loop import EngineLoop
+from services.worker.core.outputs import RequestOutput, TokenLogprob
+from services.worker.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_ABORT = generation_pb2.GenerateResponse.ABORT
+_Reason = generation_pb2.GenerateResponse.FinishReason
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, info: worker_pb2.WorkerInfo, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, engine: EngineLoop, info: worker_pb2.WorkerInfo, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._engine = engine
         self._info = info
         self._loop = loop
@@ -77,6 +85,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerInfo:
         return self._info
 
+    def announce_load(self) -> None:
+        """Send every stream the load alone, from the event loop: the frontends learn at once that this
+        worker stopped or started accepting requests."""
+        message = worker_pb2.StepOutputs(load=self._load())
+        for queue in self._streams.values():
+            queue.put_nowait(message)
+
     async def _read(
         self,
         stream: int,
@@ -85,66 +100,47 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         live: set[str],
     ) -> None:
         try:
-            await self._read_requests(stream, requests, queue, live)
+            async for request in requests:
+                refused = [
+                    worker_pb2.RequestOutput(
+                        request_id=submit.request_id, finish_reason=_Reason.ABORT, **error
+                    )
+                    for submit in request.submit
+                    if (error := self._submit(stream, submit, live))
+                ]
+                if refused:
+                    queue.put_nowait(worker_pb2.StepOutputs(outputs=refused))
+                if request.abort:
+                    self._engine.abort((stream, rid) for rid in request.abort if rid in live)
         finally:
             queue.put_nowait(None)
 
-    async def _read_requests(
-        self,
-        stream: int,
-        requests: AsyncIterator[worker_pb2.WorkerRequest],
-        queue: asyncio.Queue[worker_pb2.StepOutputs | None],
-        live: set[str],
-    ) -> None:
-        async for request in requests:
-            refused = []
-            for submit in request.submit:
-                refusal = self._submit(stream, submit, live)
-                if refusal is not None:
-                    error, code = refusal
-                    refused.append(
-                        worker_pb2.RequestOutput(
-                            request_id=submit.request_id,
-                            finish_reason=_ABORT,
-                            error=error,
-                            error_code=code.value[0],
-                        )
-                    )
-            if refused:
-                queue.put_nowait(worker_pb2.StepOutputs(outputs=refused))
-            if request.abort:
-                self._engine.abort((stream, request_id) for request_id in request.abort if request_id in live)
-
-    def _submit(
-        self, stream: int, submit: worker_pb2.Submit, live: set[str]
-    ) -> tuple[str, grpc.StatusCode] | None:
-        """Queue one request; return why it was refused and the status that says so, or None.
+    def _submit(self, stream: int, submit: worker_pb2.Submit, live: set[str]) -> dict[str, Any]:
+        """Queue one request; return the error fields of its refusal, or nothing when it was accepted.
 
         A submit that cannot be answered by its own id breaks the protocol and ends the stream.
         """
         if not submit.request_id:
-            raise ValueError("a submit has an empty request_id")
+            raise InvalidArgument("a submit has an empty request_id")
         if submit.request_id in live:
-            raise ValueError(
+            raise InvalidArgument(
                 f"request id {submit.request_id!r} is already running on this stream; ids must be unique"
             )
         try:
-            options = SamplingOptions.from_pb(submit.sampling)
-            self._engine.submit(
-                (stream, submit.request_id), submit.prompt_token_ids, options, submit.priority
-            )
-        except (ValueError, ResourceExhausted, ConnectionError) as exc:  # ConnectionError: no pool for now
-            code, message = status_for(exc)
-            return message, code
+            options = sampling_from_pb(submit.sampling)
+            key = (stream, submit.request_id)
+            self._engine.submit(key, submit.prompt_token_ids, options, submit.priority)
+        except StatusError as refusal:
+            return error_fields(refusal)
         live.add(submit.request_id)
-        return None
+        return {}
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step."""
         by_stream: defaultdict[int, list[worker_pb2.RequestOutput]] = defaultdict(list)
         for output in outputs:
-            stream, request_id = output.key  # type: ignore[misc]
-            by_stream[stream].append(output.to_pb(request_id))
+            stream, request_id = cast(tuple[int, str], output.key)
+            by_stream[stream].append(output_pb(request_id, output))
         load = self._load()
         for stream, pbs in by_stream.items():
             queue = self._streams.get(stream)
@@ -153,20 +149,48 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
                     self._loop.call_soon_threadsafe(queue.put_nowait, message)
 
-    def announce_load(self) -> None:
-        """Send every stream the load alone, from the event loop: the frontends learn at once that this
-        worker stopped or started accepting requests."""
-        message = worker_pb2.StepOutputs(load=self._load())
-        for queue in self._streams.values():
-            queue.put_nowait(message)
-
     def _load(self) -> worker_pb2.Load:
         running, waiting = self._engine.load()
-        usage = self._engine.kv.usage()
+        kv = self._engine.core.kv
+        usage = kv.usage()
         return worker_pb2.Load(
             running=running,
             waiting=waiting,
             kv_pages_in_use=usage.in_use_pages + usage.referenced_pages,
-            kv_pages_total=self._engine.kv.num_pages - 1,
+            kv_pages_total=kv.num_pages - 1,
             unavailable=self._engine.suspended or "",
         )
+
+
+def output_pb(request_id: str, output: RequestOutput) -> worker_pb2.RequestOutput:
+    reason = output.finish_reason.name if output.finish_reason else None
+    return worker_pb2.RequestOutput(
+        request_id=request_id,
+        token_ids=output.token_ids,
+        logprobs=[logprobs_pb(lp) for lp in output.logprobs],
+        finish_reason=reason,
+        prompt_tokens=output.prompt_tokens,
+        cached_prompt_tokens=output.cached_prompt_tokens,
+        **(error_fields(output.error) if output.error else {}),
+    )
+
+
+def logprobs_pb(logprob: TokenLogprob) -> generation_pb2.TokenLogprobs:
+    top = [generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top]
+    return generation_pb2.TokenLogprobs(token_id=logprob.token_id, logprob=logprob.logprob, top=top)
+
+
+def worker_info(
+    config: WorkerConfig, model_dir: Path, model_id: str, spec: ModelSpec
+) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        model_id=model_id,
+        model_dir=str(model_dir),
+        max_model_len=spec.max_model_len,
+        vocab_size=spec.vocab_size,
+        eos_token_ids=spec.eos_token_ids,
+        dtype=str(config.torch_dtype).removeprefix("torch."),
+        device=config.device,
+        page_size=config.page_size,
+        worker_name=config.name,
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memory_daemon.stats import PoolCounts
+from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from tests.procs import KVAgent, internal_channel, start_daemon
 
@@ -50,7 +50,7 @@ def test_cuda_ipc_round_trip_between_two_workers(run_dir: Path, dtype: str) -> N
             assert b("read", pages=found) == [5.0, 5.0]
             b("free", pages=pages_b + found)
             assert b.close() == 0
-            counts = PoolCounts.from_pb(stub.GetStats(memory_pb2.GetStatsRequest()).pools[0])
+            counts = counts_from_pb(stub.GetStats(memory_pb2.GetStatsRequest()).pools[0])
             assert counts.cached_pages == 2
     finally:
         for agent in agents:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import torch
 
 from memory_daemon.prefix import page_keys
 from memory_daemon.shape import PoolShape
-from services.common.auth import read_secret
-from services.worker.kv import DaemonKVCache
+from pagedserve.plumbing.auth import SECRET_ENV
+from services.worker.kv.remote import DaemonKVCache
 
 SHAPE = PoolShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
 
@@ -60,7 +61,7 @@ def main() -> None:
     shape = dataclasses.replace(SHAPE, dtype=dtype)
     cache = DaemonKVCache(
         address, model_id=model_id, shape=shape, worker_name=name, num_pages=int(num_pages), device=device,
-        secret=read_secret(None),
+        secret=os.environ.get(SECRET_ENV),
     )  # fmt: skip
     print(json.dumps({"ok": "attached"}), flush=True)
     for line in sys.stdin:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from memory_daemon.stats import PoolCounts
+from memory_daemon.wire import counts_from_pb, shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from tests.integration.kv_agent import SHAPE
 from tests.procs import DaemonProcess, KVAgent, free_port, internal_channel, start_daemon
@@ -40,7 +41,7 @@ def agents(daemon: DaemonProcess) -> Iterator[Callable[[str], KVAgent]]:
 
 def pool_counts(stub: memory_pb2_grpc.MemoryDaemonStub) -> PoolCounts:
     (pool,) = stub.GetStats(memory_pb2.GetStatsRequest()).pools
-    return PoolCounts.from_pb(pool)
+    return counts_from_pb(pool)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
@@ -112,7 +113,12 @@ OTHER_SHAPE = memory_pb2.PoolShape(num_layers=1, num_kv_heads=1, head_dim=8, dty
 
 
 def attach_request(**overrides: object) -> memory_pb2.AttachRequest:
-    fields: dict = {"worker_name": "raw", "model_id": "test-model", "shape": SHAPE.to_pb(), "num_pages": 64}
+    fields: dict = {
+        "worker_name": "raw",
+        "model_id": "test-model",
+        "shape": shape_to_pb(SHAPE),
+        "num_pages": 64,
+    }
     fields.update(overrides)
     return memory_pb2.AttachRequest(**fields)
 

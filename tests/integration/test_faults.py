@@ -19,11 +19,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.plumbing.rpc import wait_for_health
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from services.common.rpc import wait_for_health
 from tests.procs import REPO, Stack, every_page_accounted, internal_channel, start_stack
 
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memory_daemon.stats import PoolCounts
+from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
@@ -191,7 +191,7 @@ def test_fuzzed_daemon_calls_keep_the_books_exact(fuzz_daemon: DaemonProcess) ->
                             stub.Lease(memory_pb2.LeaseRequest(lease_id=args[0], need=1))
                     except grpc.RpcError as exc:
                         assert exc.code() in REFUSALS, (exc.code(), exc.details())
-                    counts = PoolCounts.from_pb(stub.GetStats(memory_pb2.GetStatsRequest()).pools[0])
+                    counts = counts_from_pb(stub.GetStats(memory_pb2.GetStatsRequest()).pools[0])
                     assert counts.free_pages + counts.leased_pages + counts.shared_pages == counts.total_pages
             finally:
                 stream.cancel()

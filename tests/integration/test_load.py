@@ -8,10 +8,10 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
-from services.common.rpc import CHANNEL_OPTIONS
 from tests.models import make_model
 from tests.procs import every_page_accounted, internal_channel, start_stack
 

@@ -21,6 +21,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memory_daemon.config import DaemonConfig
+from memory_daemon.wire import shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -51,7 +52,9 @@ def test_internal_services_listen_on_loopback_by_default() -> None:
 
 
 def test_the_daemon_hands_pool_handles_only_to_callers_with_the_secret(daemon: DaemonProcess) -> None:
-    attach = memory_pb2.AttachRequest(worker_name="intruder", model_id="m", shape=SHAPE.to_pb(), num_pages=16)
+    attach = memory_pb2.AttachRequest(
+        worker_name="intruder", model_id="m", shape=shape_to_pb(SHAPE), num_pages=16
+    )
     with grpc.insecure_channel(daemon.address) as channel:
         stub = memory_pb2_grpc.MemoryDaemonStub(channel)
         for metadata in ((), (("x-pagedserve-secret", "guess"),)):
@@ -104,7 +107,10 @@ def test_a_daemon_run_as_compose_runs_it(run_dir: Path) -> None:
     [
         (["--secret-file", "{empty}"], "the secret file {empty} is empty"),
         (["--secret-file", "{missing}"], "No such file or directory"),
-        (["--metrics-port", "70000"], "metrics_port must be 0 (no metrics server) or a TCP port, got 70000"),
+        (
+            ["--metrics-port", "70000"],
+            "--metrics-port must be 0 (no metrics server) or a TCP port, got 70000",
+        ),
     ],
 )
 def test_a_bad_setting_is_a_usage_error(tmp_path: Path, flags: list[str], message: str) -> None:

@@ -27,12 +27,12 @@ from kernels import AttentionMetadata, TorchBackend, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from kernels.tuning import Tuning
 from services.common.sampling import SamplingOptions
-from services.worker.batch import build_batch
-from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.core.batch import build_batch
+from services.worker.core.cuda_graphs import DecodeGraphs
+from services.worker.core.scheduler import ScheduledSeq
+from services.worker.core.sequence import Sequence
 from services.worker.models import CausalLM
 from services.worker.models.llama import rotary_table
-from services.worker.scheduler import ScheduledSeq
-from services.worker.sequence import Sequence
 from tests.kernels.steps import Chunk, llama_spec, make_metadata, slots_of
 from tests.models import make_model
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import pytest
 
-from services.common.errors import ResourceExhausted
+from pagedserve.plumbing.errors import ResourceExhausted
 from services.frontend.admission import Admission
 
 T = TypeVar("T")

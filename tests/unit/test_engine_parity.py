@@ -1,4 +1,4 @@
-"""The engine against Hugging Face transformers: token-for-token greedy parity and close logprobs.
+"""The engine core against Hugging Face transformers: token-for-token greedy parity and close logprobs.
 
 Every supported family runs as a small random model: alone, in a batch of different prompt lengths with
 chunked prefill, through preemption in a pool too small for the batch, and from the prefix cache. After each
@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from kernels import TorchBackend
 from memory_daemon.shape import PoolShape
 from services.common.sampling import SamplingOptions
-from services.worker.engine import Engine, EngineConfig, RequestOutput
-from services.worker.kv import LocalKVCache
+from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.outputs import RequestOutput
+from services.worker.core.sequence import FinishReason
+from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM
-from services.worker.sequence import FinishReason
 from tests.models import FAMILIES, VOCAB, make_model
 from tests.pages import assert_pages_back
 
@@ -35,11 +36,13 @@ class Family:
     model: CausalLM
     hf: PreTrainedModel
 
-    def engine(self, num_pages: int = 256, max_batched_tokens: int = 64, page_size: int = 16) -> Engine:
+    def engine(self, num_pages: int = 256, max_batched_tokens: int = 64, page_size: int = 16) -> EngineCore:
         spec = self.model.spec
         shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", page_size)
         kv = LocalKVCache(shape, num_pages)
-        return Engine(self.model, kv, EngineConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=16))
+        return EngineCore(
+            self.model, kv, EngineConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=16)
+        )
 
     def reference(self, prompt: list[int], new_tokens: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
         """transformers' greedy tokens and the log-softmax of its logits at each step."""
@@ -72,10 +75,10 @@ def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(
-    engine: Engine, batch: list[list[int]], options: SamplingOptions = GREEDY
+    engine: EngineCore, batch: list[list[int]], options: SamplingOptions = GREEDY
 ) -> dict[int, list[RequestOutput]]:
     for key, prompt in enumerate(batch):
-        engine.submit(key, prompt, options)
+        engine.add_request(key, prompt, options)
     outputs: dict[int, list[RequestOutput]] = defaultdict(list)
     for output in engine.run_until_done():
         outputs[output.key].append(output)  # type: ignore[index]
@@ -87,15 +90,15 @@ def tokens(outputs: list[RequestOutput]) -> list[int]:
 
 
 @pytest.fixture
-def check_pages() -> Iterator[list[Engine]]:
+def check_pages() -> Iterator[list[EngineCore]]:
     """Engines registered here must end with every page free or cached, and exact books."""
-    engines: list[Engine] = []
+    engines: list[EngineCore] = []
     yield engines
     for engine in engines:
         assert_pages_back(engine.kv)
 
 
-def test_alone(family: Family, check_pages: list[Engine]) -> None:
+def test_alone(family: Family, check_pages: list[EngineCore]) -> None:
     for prompt in prompts(1, 16, 37):
         engine = family.engine()
         check_pages.append(engine)
@@ -105,7 +108,9 @@ def test_alone(family: Family, check_pages: list[Engine]) -> None:
         assert outputs[-1].prompt_tokens == len(prompt)
 
 
-def test_batch_of_different_lengths_with_chunked_prefill(family: Family, check_pages: list[Engine]) -> None:
+def test_batch_of_different_lengths_with_chunked_prefill(
+    family: Family, check_pages: list[EngineCore]
+) -> None:
     batch = prompts(3, 17, 40, 95, seed=1)  # 95 > the budget of 32: prefilled in chunks, beside decodes
     engine = family.engine(max_batched_tokens=32)
     check_pages.append(engine)
@@ -114,7 +119,7 @@ def test_batch_of_different_lengths_with_chunked_prefill(family: Family, check_p
         assert tokens(outputs[key]) == family.reference(prompt)[0], f"prompt {key} ({len(prompt)} tokens)"
 
 
-def test_preemption_by_recompute(family: Family, check_pages: list[Engine]) -> None:
+def test_preemption_by_recompute(family: Family, check_pages: list[EngineCore]) -> None:
     batch = prompts(30, 33, 36, seed=2)  # each ends near 60 tokens: 4 pages of 16; the pool has 9
     engine = family.engine(num_pages=10, max_batched_tokens=128)
     check_pages.append(engine)
@@ -124,7 +129,7 @@ def test_preemption_by_recompute(family: Family, check_pages: list[Engine]) -> N
         assert tokens(outputs[key]) == family.reference(prompt)[0]
 
 
-def test_prefix_cache_hit(family: Family, check_pages: list[Engine]) -> None:
+def test_prefix_cache_hit(family: Family, check_pages: list[EngineCore]) -> None:
     (shared,) = prompts(50, seed=3)
     engine = family.engine()
     check_pages.append(engine)
@@ -140,7 +145,7 @@ def test_prefix_cache_hit(family: Family, check_pages: list[Engine]) -> None:
     assert engine.kv.stats().prefix_hits == 2
 
 
-def test_logprobs_are_close(family: Family, check_pages: list[Engine]) -> None:
+def test_logprobs_are_close(family: Family, check_pages: list[EngineCore]) -> None:
     (prompt,) = prompts(21, seed=5)
     engine = family.engine()
     check_pages.append(engine)
@@ -159,7 +164,7 @@ def test_logprobs_are_close(family: Family, check_pages: list[Engine]) -> None:
         assert abs(lp.logprob - expected[step, lp.token_id].item()) < LOGPROB_ATOL
 
 
-def test_stops_at_eos_unless_told_not_to(family: Family, check_pages: list[Engine]) -> None:
+def test_stops_at_eos_unless_told_not_to(family: Family, check_pages: list[EngineCore]) -> None:
     (prompt,) = prompts(12, seed=6)
     expected = family.reference(prompt)[0]
     stop_at = expected[5]

@@ -7,7 +7,7 @@ import pytest
 from memory_daemon.ledger import PageLedger
 from memory_daemon.prefix import page_keys
 from memory_daemon.refill import RefillSettings
-from services.common.errors import FailedPrecondition
+from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 KEYS = page_keys(list(range(64)), page_size=16)  # four chained keys
 
@@ -230,11 +230,11 @@ def _assert_unchanged(ledger: PageLedger, before: object) -> None:
         ({"release": [1, 1]}, FailedPrecondition, "cannot release page 1 twice"),
         (
             {"release": [3]},
-            PermissionError,
+            PermissionDenied,
             "page 3: it is leased to worker 'other' (id 2), not to worker 'w'",
         ),
-        ({"release": [0]}, ValueError, "page 0 is the null page"),
-        ({"release": [99]}, ValueError, "page 99 is out of range: this pool's pages are 1..8"),
+        ({"release": [0]}, InvalidArgument, "page 0 is the null page"),
+        ({"release": [99]}, InvalidArgument, "page 99 is out of range: this pool's pages are 1..8"),
         (
             {"release": [2]},
             FailedPrecondition,
@@ -252,12 +252,12 @@ def _assert_unchanged(ledger: PageLedger, before: object) -> None:
         ),
         (
             {"publish": [(KEYS[1], 3)]},
-            PermissionError,
+            PermissionDenied,
             "cannot publish page 3: it is leased to worker 'other'",
         ),
-        ({"publish": [(b"", 1)]}, ValueError, "a page key must be 1 to 64 bytes, got 0"),
+        ({"publish": [(b"", 1)]}, InvalidArgument, "a page key must be 1 to 64 bytes, got 0"),
         ({"publish": [(KEYS[1], 1)], "release": [1]}, FailedPrecondition, "both published and released"),
-        ({"release": [1], "unref": [9]}, ValueError, "page 9 is out of range"),
+        ({"release": [1], "unref": [9]}, InvalidArgument, "page 9 is out of range"),
     ],
 )
 def test_bad_updates_are_refused_whole(kwargs: dict, error: type[Exception], message: str) -> None:
@@ -287,16 +287,16 @@ def test_publish_then_unref_in_one_batch_is_valid(ledger: PageLedger) -> None:
 def test_absurd_refill_sizes_are_refused(ledger: PageLedger, need: int, consumed: int, idle: int) -> None:
     worker = ledger.open_lease("w", "m")
     before = ledger.counts()
-    with pytest.raises(ValueError, match="must be between 0 and the pool's 8 pages"):
+    with pytest.raises(InvalidArgument, match="must be between 0 and the pool's 8 pages"):
         ledger.refill(worker, need, consumed, idle)
     _assert_unchanged(ledger, before)
 
 
 def test_too_many_lookup_keys_are_refused(ledger: PageLedger) -> None:
-    with pytest.raises(ValueError, match="20 keys is more than the pool's 8 pages"):
+    with pytest.raises(InvalidArgument, match="20 keys is more than the pool's 8 pages"):
         ledger.lookup(ledger.open_lease("w", "m"), [b"k"] * 20)
 
 
 def test_a_pool_needs_two_pages() -> None:
-    with pytest.raises(ValueError, match="at least 2 pages"):
+    with pytest.raises(InvalidArgument, match="at least 2 pages"):
         PageLedger(1)

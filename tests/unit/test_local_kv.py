@@ -8,7 +8,7 @@ import torch
 from memory_daemon.prefix import page_keys
 from memory_daemon.refill import RefillSettings
 from memory_daemon.shape import PoolShape
-from services.worker.kv import LocalKVCache
+from services.worker.kv.local import LocalKVCache
 
 SHAPE = PoolShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
 

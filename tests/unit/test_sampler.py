@@ -14,9 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pagedserve.plumbing.errors import InvalidArgument
 from services.common.sampling import MAX_LOGPROBS, SamplingOptions
-from services.worker.sampler import apply_penalties, filtered_probs, sample
-from services.worker.sequence import Sequence
+from services.worker.core.sampler import apply_penalties, filtered_probs, sample
+from services.worker.core.sequence import Sequence
 
 # Helpers ------------------------------------------------------------------------------------------------
 
@@ -428,17 +429,6 @@ def test_no_row_asks_for_logprobs() -> None:
     assert sample(logits, seqs).logprobs == [None, None, None]
 
 
-def test_logprobs_to_pb() -> None:
-    torch.manual_seed(62)
-    logits = torch.randn(1, 16)
-    result = sample(logits, [make_seq(SamplingOptions(temperature=0.0, logprobs=2))]).logprobs[0]
-    assert result is not None
-    pb = result.to_pb()
-    assert pb.token_id == result.token_id == int(logits.argmax())
-    assert pb.logprob == pytest.approx(result.logprob, abs=1e-6)
-    assert [(t.token_id, pytest.approx(t.logprob, abs=1e-6)) for t in pb.top] == list(result.top)
-
-
 # 7. Validation ------------------------------------------------------------------------------------------
 
 
@@ -471,12 +461,12 @@ def test_logprobs_to_pb() -> None:
     ],
 )
 def test_bad_options_raise_naming_the_field(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=rf"\bsampling\.{field}\b"):
+    with pytest.raises(InvalidArgument, match=rf"\bsampling\.{field}\b"):
         SamplingOptions(**{field: value})
 
 
 def test_too_many_stop_token_ids_raise() -> None:
-    with pytest.raises(ValueError, match=r"sampling\.stop_token_ids"):
+    with pytest.raises(InvalidArgument, match=r"sampling\.stop_token_ids"):
         SamplingOptions(stop_token_ids=tuple(range(65)))
 
 

@@ -2,9 +2,8 @@
 preemption by recompute, prefix caching, and exact page accounting.
 
 Each test runs the scheduler over a tiny in-process pool (4 tokens a page, refills of exactly one page),
-so page counts are exact. `step` does the engine's bookkeeping after a schedule: every scheduled chunk is
-computed (its full pages published), every chunk that samples appends one fake token, and a sequence that
-reaches its max_tokens is finished, as the engine does.
+so page counts are exact. `step` stands in for the model only: it samples one fake token for every chunk
+that samples, and hands them to the scheduler's own postprocess, as the engine core does.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import pytest
 from memory_daemon.refill import RefillSettings
 from memory_daemon.shape import PoolShape
 from services.common.sampling import SamplingOptions
-from services.worker.kv import LocalKVCache
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import FinishReason, Sequence, Status
+from services.worker.core.sampler import Samples
+from services.worker.core.scheduler import Scheduler
+from services.worker.core.sequence import FinishReason, Sequence, Status
+from services.worker.kv.local import LocalKVCache
 
 PAGE_SIZE = 4
 SHAPE = PoolShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", page_size=PAGE_SIZE)
@@ -69,19 +69,15 @@ def make_seq(
 
 
 def step(scheduler: Scheduler) -> Step:
-    """Schedule once, then do what the engine does with the plan, minus the model."""
+    """Schedule once, sample a fake token for each chunk that samples, and postprocess."""
     plan = scheduler.schedule()
     items = [(str(item.seq.key), item.start, item.count, item.samples) for item in plan.items]
-    sampling = [item.seq for item in plan.items if item.samples]  # before any token is appended
-    for item in plan.items:
-        item.seq.num_computed += item.count
-        scheduler.publish_full_pages(item.seq)
-    done: list[str] = []
-    for seq in sampling:
-        seq.tokens.append(FAKE_TOKEN + seq.num_tokens)
-        if len(seq.output_ids) >= seq.options.max_tokens:
-            scheduler.finish(seq, FinishReason.LENGTH)
-            done.append(str(seq.key))
+    sampled = [item.seq for item in plan.items if item.samples]
+    tokens = [FAKE_TOKEN + seq.num_tokens for seq in sampled]
+    outputs = scheduler.postprocess(plan, sampled, Samples(tokens, [None] * len(tokens)))
+    assert [output.token_ids for output in outputs] == [[token] for token in tokens]
+    done = [str(output.key) for output in outputs if output.finish_reason is not None]
+    assert all(output.finish_reason is FinishReason.LENGTH for output in outputs if str(output.key) in done)
     return Step(items, [str(seq.key) for seq in plan.finished], done)
 
 
@@ -543,3 +539,36 @@ def test_a_random_workload_keeps_every_rule_and_exact_page_accounting(seed: int)
     assert all(seq.status is Status.FINISHED for seq in seqs.values()), "the workload did not finish"
     assert not scheduler.running and scheduler.num_waiting == 0
     assert_settled(kv)
+
+
+@pytest.mark.parametrize(
+    ("options", "token", "max_model_len", "reason"),
+    [
+        (SamplingOptions(max_tokens=5), 2, 100, FinishReason.STOP),  # EOS
+        (SamplingOptions(max_tokens=5, ignore_eos=True), 2, 100, None),
+        (SamplingOptions(max_tokens=5, ignore_eos=True, stop_token_ids=(2,)), 2, 100, FinishReason.STOP),
+        (SamplingOptions(max_tokens=5, stop_token_ids=(7,)), 7, 100, FinishReason.STOP),
+        (SamplingOptions(max_tokens=1), 9, 100, FinishReason.LENGTH),
+        (SamplingOptions(max_tokens=5), 9, 6, FinishReason.LENGTH),  # the context is full
+        (SamplingOptions(max_tokens=5), 9, 100, None),
+    ],
+)
+def test_postprocess_applies_the_stop_rules_and_frees_a_finished_sequence(
+    options: SamplingOptions, token: int, max_model_len: int, reason: FinishReason | None
+) -> None:
+    kv = make_kv(8)
+    scheduler = Scheduler(
+        kv, max_batched_tokens=64, max_num_seqs=8, eos_token_ids=(2,), max_model_len=max_model_len
+    )
+    seq = Sequence(key="r", tokens=prompt(5), prompt_len=5, options=options, priority=0, arrival=0)
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    (output,) = scheduler.postprocess(plan, [seq], Samples([token], [None]))
+    assert (output.key, output.token_ids, output.finish_reason, output.prompt_tokens) == (
+        "r",
+        [token],
+        reason,
+        5,
+    )
+    assert (seq.finish_reason, "r" in scheduler.requests) == (reason, reason is None)
+    assert held_pages(kv) == (0 if reason else 2)

@@ -12,17 +12,19 @@ import re
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
+from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
 from pagedserve.v1 import generation_pb2
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from services.common.errors import ResourceExhausted
 from services.common.sampling import SamplingOptions
 from services.frontend.validation import (
     MAX_REQUEST_ID_LENGTH,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
+    ModelLimits,
     PreparedRequest,
     RequestBuilder,
 )
@@ -32,6 +34,7 @@ MAX_MODEL_LEN = 64
 DEFAULT_MAX_TOKENS = 10
 TOKEN = 5  # any ordinary token id, for prompts of an exact length
 GENERATION_PROMPT = "<|im_start|>assistant\n"
+LIMITS = ModelLimits(vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN)
 
 
 # Fixtures and helpers -----------------------------------------------------------------------------------
@@ -39,26 +42,24 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(default_model_dir())
+    return PreTrainedTokenizerFast.from_pretrained(default_model_dir())  # as the frontend loads it
 
 
 @pytest.fixture(scope="module")
 def builder(tokenizer: PreTrainedTokenizerBase) -> RequestBuilder:
-    return RequestBuilder(
-        tokenizer, vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, default_max_tokens=DEFAULT_MAX_TOKENS
-    )
+    return RequestBuilder(tokenizer, default_max_tokens=DEFAULT_MAX_TOKENS)
 
 
 def prepare(builder: RequestBuilder, prompt: str | None = "Hello", **kwargs: Any) -> PreparedRequest:
-    return builder.prepare(generate_request(prompt, **kwargs))
+    return builder.prepare(generate_request(prompt, **kwargs), LIMITS)
 
 
 def refusal(
-    builder: RequestBuilder, request: generation_pb2.GenerateRequest, error: type[Exception] = ValueError
+    builder: RequestBuilder, request: generation_pb2.GenerateRequest, error: type[Exception] = InvalidArgument
 ) -> str:
     """The message of the exception prepare raises; the test fails if it raises nothing or another type."""
     with pytest.raises(error) as info:
-        builder.prepare(request)
+        builder.prepare(request, LIMITS)
     assert type(info.value) is error
     return str(info.value)
 

@@ -25,31 +25,29 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import generation_pb2 as pagedserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/worker/v1/worker.proto\x12\x14pagedserve.worker.v1\x1a\x1epagedserve/v1/generation.proto\"\x92\x02\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\x42\x07\n\x05_seed\"\x81\x01\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x37\n\x08sampling\x18\x03 \x01(\x0b\x32%.pagedserve.worker.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\"L\n\rWorkerRequest\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.pagedserve.worker.v1.Submit\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\x83\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x04 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\r\"m\n\x0bStepOutputs\x12\x34\n\x07outputs\x18\x01 \x03(\x0b\x32#.pagedserve.worker.v1.RequestOutput\x12(\n\x04load\x18\x02 \x01(\x0b\x32\x1a.pagedserve.worker.v1.Load\"\x10\n\x0eGetLoadRequest\"n\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_pages_in_use\x18\x03 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x03\x12\x13\n\x0bunavailable\x18\x05 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xba\x01\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x13\n\x0bworker_name\x18\t \x01(\t2\xff\x01\n\x06Worker\x12U\n\x07\x43onnect\x12#.pagedserve.worker.v1.WorkerRequest\x1a!.pagedserve.worker.v1.StepOutputs(\x01\x30\x01\x12K\n\x07GetLoad\x12$.pagedserve.worker.v1.GetLoadRequest\x1a\x1a.pagedserve.worker.v1.Load\x12Q\n\x07GetInfo\x12$.pagedserve.worker.v1.GetInfoRequest\x1a .pagedserve.worker.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/worker/v1/worker.proto\x12\x14pagedserve.worker.v1\x1a\x1epagedserve/v1/generation.proto\"y\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"L\n\rWorkerRequest\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.pagedserve.worker.v1.Submit\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\x83\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x04 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\r\"m\n\x0bStepOutputs\x12\x34\n\x07outputs\x18\x01 \x03(\x0b\x32#.pagedserve.worker.v1.RequestOutput\x12(\n\x04load\x18\x02 \x01(\x0b\x32\x1a.pagedserve.worker.v1.Load\"\x10\n\x0eGetLoadRequest\"n\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_pages_in_use\x18\x03 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x03\x12\x13\n\x0bunavailable\x18\x05 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xba\x01\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x13\n\x0bworker_name\x18\t \x01(\t2\xff\x01\n\x06Worker\x12U\n\x07\x43onnect\x12#.pagedserve.worker.v1.WorkerRequest\x1a!.pagedserve.worker.v1.StepOutputs(\x01\x30\x01\x12K\n\x07GetLoad\x12$.pagedserve.worker.v1.GetLoadRequest\x1a\x1a.pagedserve.worker.v1.Load\x12Q\n\x07GetInfo\x12$.pagedserve.worker.v1.GetInfoRequest\x1a .pagedserve.worker.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGOPTIONS']._serialized_start=92
-  _globals['_SAMPLINGOPTIONS']._serialized_end=366
-  _globals['_SUBMIT']._serialized_start=369
-  _globals['_SUBMIT']._serialized_end=498
-  _globals['_WORKERREQUEST']._serialized_start=500
-  _globals['_WORKERREQUEST']._serialized_end=576
-  _globals['_REQUESTOUTPUT']._serialized_start=579
-  _globals['_REQUESTOUTPUT']._serialized_end=838
-  _globals['_STEPOUTPUTS']._serialized_start=840
-  _globals['_STEPOUTPUTS']._serialized_end=949
-  _globals['_GETLOADREQUEST']._serialized_start=951
-  _globals['_GETLOADREQUEST']._serialized_end=967
-  _globals['_LOAD']._serialized_start=969
-  _globals['_LOAD']._serialized_end=1079
-  _globals['_GETINFOREQUEST']._serialized_start=1081
-  _globals['_GETINFOREQUEST']._serialized_end=1097
-  _globals['_WORKERINFO']._serialized_start=1100
-  _globals['_WORKERINFO']._serialized_end=1286
-  _globals['_WORKER']._serialized_start=1289
-  _globals['_WORKER']._serialized_end=1544
+  _globals['_SUBMIT']._serialized_start=91
+  _globals['_SUBMIT']._serialized_end=212
+  _globals['_WORKERREQUEST']._serialized_start=214
+  _globals['_WORKERREQUEST']._serialized_end=290
+  _globals['_REQUESTOUTPUT']._serialized_start=293
+  _globals['_REQUESTOUTPUT']._serialized_end=552
+  _globals['_STEPOUTPUTS']._serialized_start=554
+  _globals['_STEPOUTPUTS']._serialized_end=663
+  _globals['_GETLOADREQUEST']._serialized_start=665
+  _globals['_GETLOADREQUEST']._serialized_end=681
+  _globals['_LOAD']._serialized_start=683
+  _globals['_LOAD']._serialized_end=793
+  _globals['_GETINFOREQUEST']._serialized_start=795
+  _globals['_GETINFOREQUEST']._serialized_end=811
+  _globals['_WORKERINFO']._serialized_start=814
+  _globals['_WORKERINFO']._serialized_end=1000
+  _globals['_WORKER']._serialized_start=1003
+  _globals['_WORKER']._serialized_end=1258
 # @@protoc_insertion_point(module_scope)

@@ -1,12 +1,7 @@
 """The worker's KV cache: the pool as a tensor, and pages sub-allocated locally from a bulk lease.
 
-`KVCache` holds the local bookkeeping. `DaemonKVCache` leases from the memory daemon over gRPC and maps its
-pool zero-copy; `LocalKVCache` runs the same ledger in-process, for unit tests and to measure what the
-daemon costs.
+`base.KVCache` holds the local bookkeeping, and is all the engine core sees. `remote.DaemonKVCache` leases
+from the memory daemon over gRPC and maps its pool zero-copy; `local.LocalKVCache` runs the same ledger
+in-process, for unit tests and to measure what the daemon costs. Import them from their modules: this
+package imports nothing, so that the engine core never loads gRPC.
 """
-
-from services.worker.kv.base import KVCache
-from services.worker.kv.local import LocalKVCache
-from services.worker.kv.remote import DaemonKVCache
-
-__all__ = ["DaemonKVCache", "KVCache", "LocalKVCache"]

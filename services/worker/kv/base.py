@@ -19,6 +19,11 @@ import torch
 
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
+from pagedserve.plumbing.errors import Unavailable
+
+
+class PoolLost(Unavailable):
+    """The pool's owner (the memory daemon) is out of reach, and with it every page this worker held."""
 
 
 @dataclass(frozen=True)

@@ -21,21 +21,22 @@ from google.protobuf.message import Message
 from memory_daemon.export import map_pool
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
+from memory_daemon.wire import counts_from_pb, descriptor_from_pb, shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
-from services.common.auth import secret_metadata
-from services.common.rpc import CHANNEL_OPTIONS
-from services.worker.kv.base import KVCache
+from pagedserve.plumbing.auth import secret_metadata
+from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
+from services.worker.kv.base import KVCache, PoolLost
 
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
 
 
-class DaemonError(ConnectionError):
+class DaemonError(PoolLost):
     """The memory daemon refused a call or could not be reached."""
 
     def __init__(self, what: str, code: grpc.StatusCode, details: str) -> None:
-        self.code = code
+        self.rpc_code = code  # the daemon's answer; as a StatusError, this is UNAVAILABLE to callers
         super().__init__(f"{what}: {code.name}: {details}")
 
     @classmethod
@@ -86,7 +87,7 @@ class DaemonKVCache(KVCache):
         request = memory_pb2.AttachRequest(
             worker_name=worker_name,
             model_id=model_id,
-            shape=shape.to_pb(),
+            shape=shape_to_pb(shape),
             device=device,
             num_pages=num_pages,
             memory_bytes=memory_bytes,
@@ -106,7 +107,7 @@ class DaemonKVCache(KVCache):
         self.lease_id = attached.lease_id
         self.worker_id = attached.worker_id
         self.pool_id = attached.pool.pool_id
-        super().__init__(map_pool(attached.pool), shape, attached.refill_pages)
+        super().__init__(map_pool(descriptor_from_pb(attached.pool)), shape, attached.refill_pages)
         self._cond = threading.Condition(self._lock)
         self._pending = _Batch()
         self._want_refill = False
@@ -121,7 +122,7 @@ class DaemonKVCache(KVCache):
 
     def stats(self) -> PoolCounts:
         reply = self._call("GetStats", self._stub.GetStats, memory_pb2.GetStatsRequest())
-        return next(PoolCounts.from_pb(pool) for pool in reply.pools if pool.pool_id == self.pool_id)
+        return next(counts_from_pb(pool) for pool in reply.pools if pool.pool_id == self.pool_id)
 
     def flush(self, timeout_s: float = RPC_TIMEOUT_S) -> None:
         with self._cond:

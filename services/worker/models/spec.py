@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,15 +75,6 @@ class ModelSpec:
             eos_token_ids=eos_token_ids,
             hf_config=config,
         )
-
-
-def model_identity(model_dir: Path) -> str:
-    """A name for the prefix cache: the folder's name and a digest of its config and weight files' sizes."""
-    digest = hashlib.blake2b(digest_size=6)
-    digest.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return f"{model_dir.name}-{digest.hexdigest()}"
 
 
 def _sliding_window(config: PretrainedConfig) -> int | None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from pagedserve.plumbing.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,25 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 Metadata = tuple[tuple[str, str], ...]
 
 
-def read_secret(path: str | Path | None, env: str = SECRET_ENV) -> str | None:
-    """The secret in the file at path, else in the environment variable; None when neither is set."""
-    if path:
-        secret = Path(path).read_text().strip()
-        if not secret:
-            raise ValueError(f"the secret file {path} is empty")
-        return secret
-    return os.environ.get(env) or None
+def read_secret_file(path: str | Path) -> str:
+    """The secret in a file, without surrounding whitespace."""
+    secret = Path(path).read_text().strip()
+    if not secret:
+        raise ValueError(f"the secret file {path} is empty")
+    return secret
+
+
+def secret_setting() -> Any:
+    """A config field for the stack's shared secret: from --secret-file, else $PAGEDSERVE_SECRET."""
+    return setting(
+        None,
+        "a file holding the stack's shared secret",
+        flag="--secret-file",
+        convert=read_secret_file,
+        env=SECRET_ENV,
+        metavar="FILE",
+        secret=True,
+    )
 
 
 def secret_metadata(secret: str | None) -> Metadata:

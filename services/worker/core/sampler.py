@@ -14,20 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.v1 import generation_pb2
 from services.common.sampling import SamplingOptions
-from services.worker.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the n most likely tokens and their log-probabilities
-
-    def to_pb(self) -> generation_pb2.TokenLogprobs:
-        top = [generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top]
-        return generation_pb2.TokenLogprobs(token_id=self.token_id, logprob=self.logprob, top=top)
+from services.worker.core.outputs import TokenLogprob
+from services.worker.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

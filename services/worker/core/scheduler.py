@@ -6,15 +6,24 @@ are then admitted while budget remains; admission first looks up the prompt in t
 pages are neither recomputed nor allocated. When a sequence needs pages and the pool has none, the
 worst-ranked running sequence that has not been scheduled yet is preempted: its pages go back (published
 ones stay cached) and it waits to be recomputed.
+
+After the model has run a plan, `postprocess` does the step's bookkeeping: each chunk's KV counts as
+computed and its new full pages go to the prefix cache, each sampled token is appended, and a sequence
+that meets a stop rule (a stop token, EOS unless ignored, max_tokens, the context's end) is finished,
+which gives its pages back at once.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Hashable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from services.worker.kv import KVCache
-from services.worker.sequence import FinishReason, Sequence, Status
+from services.worker.core.outputs import RequestOutput
+from services.worker.core.sampler import Samples
+from services.worker.core.sequence import FinishReason, Sequence, Status
+from services.worker.kv.base import KVCache
 
 
 @dataclass(frozen=True)
@@ -37,23 +46,38 @@ class Plan:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCache, *, max_batched_tokens: int, max_num_seqs: int, prefix_caching: bool = True
+        self,
+        kv: KVCache,
+        *,
+        max_batched_tokens: int,
+        max_num_seqs: int,
+        prefix_caching: bool = True,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int = 1 << 62,
     ) -> None:
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.requests: dict[Hashable, Sequence] = {}  # every unfinished sequence, by key
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
         self.preemptions = 0
+        # A request's prompt is counted when it is first admitted, with what the prefix cache held for it
+        # then; a recompute after preemption is not counted again.
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
     def add(self, seq: Sequence) -> None:
-        seq.status = Status.WAITING
-        heapq.heappush(self._waiting, (seq.rank, seq))
+        assert seq.key not in self.requests, f"request {seq.key!r} is already running"
+        self.requests[seq.key] = seq
+        self._enqueue(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence, running or waiting: its pages go back at once."""
@@ -65,6 +89,21 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        del self.requests[seq.key]
+
+    def postprocess(self, plan: Plan, sampled: Seq[Sequence], samples: Samples) -> list[RequestOutput]:
+        """The bookkeeping after the model ran plan and sampled one token for each of sampled, in order."""
+        for item in plan.items:
+            item.seq.num_computed += item.count
+            self.publish_full_pages(item.seq)
+        outputs = []
+        for seq, token, logprob in zip(sampled, samples.token_ids, samples.logprobs, strict=True):
+            seq.tokens.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            outputs.append(RequestOutput.of(seq, [token], [logprob] if logprob is not None else []))
+        return outputs
 
     def schedule(self) -> Plan:
         budget = self.max_batched_tokens
@@ -93,6 +132,9 @@ class Scheduler:
                 self._release(seq)  # do not sit on cached pages while waiting
                 break
             heapq.heappop(self._waiting)
+            if seq.preemptions == 0:
+                self.prompt_tokens += seq.prompt_len
+                self.cached_prompt_tokens += seq.cached_prompt_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, count))
@@ -106,6 +148,18 @@ class Scheduler:
             keys = seq.page_keys(full, self.kv.page_size)
             self.kv.publish(keys[seq.num_shared :], seq.pages[seq.num_shared : full])
             seq.num_shared = full
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        options = seq.options
+        if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_tokens - seq.prompt_len >= options.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        heapq.heappush(self._waiting, (seq.rank, seq))
 
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one token must be computed, to have logits to sample from.
@@ -145,7 +199,7 @@ class Scheduler:
         self._release(seq)
         seq.preemptions += 1
         self.preemptions += 1
-        self.add(seq)
+        self._enqueue(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import AttentionMetadata
-from services.worker.scheduler import ScheduledSeq
+from services.worker.core.scheduler import ScheduledSeq
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ so a half-open connection must not linger.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.common.errors import ErrorInterceptor
+from pagedserve.plumbing.status import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -110,3 +112,12 @@ def wait_for_health(
                 last_error = f"{exc.code().name}: {exc.details()}"
             time.sleep(0.05)
     raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s: {last_error}")
+
+
+def stop_signal() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM, for a server's main coroutine to wait on."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    return stop

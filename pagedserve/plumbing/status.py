@@ -1,11 +1,7 @@
-"""Domain errors, and the one interceptor that maps every exception to a gRPC status.
+"""The one interceptor that turns an exception escaping a handler into a gRPC status.
 
-Below the servicers, code raises plain exceptions: ValueError for bad input (INVALID_ARGUMENT), KeyError
-for an unknown name (NOT_FOUND), PermissionError for someone else's resource (PERMISSION_DENIED),
-ConnectionError for a backend that is down (UNAVAILABLE), and the two classes here where Python has no
-built-in. The interceptor turns each into a status whose message is
-the exception's own, so the message must say what to change. Anything else is a bug: it becomes INTERNAL
-and is logged with its traceback.
+A `StatusError` becomes its own status and message. Anything else is a bug: the client gets INTERNAL with
+the exception's type, and the log gets the traceback.
 """
 
 from __future__ import annotations
@@ -17,42 +13,27 @@ from typing import Any
 
 import grpc
 
+from pagedserve.plumbing.errors import StatusError
+
 log = logging.getLogger(__name__)
 
 
-class FailedPrecondition(ValueError):
-    """The request is well formed, but the current state forbids it (a double free, say)."""
+def grpc_code(code: str) -> grpc.StatusCode:
+    """The grpc.StatusCode a StatusError's code names."""
+    return grpc.StatusCode[code]
 
 
-class ResourceExhausted(Exception):
-    """No room: a pool over its memory budget, a full queue."""
-
-
-# Checked in order: subclasses before their bases.
-_STATUS_BY_EXCEPTION: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
-    (ConnectionError, grpc.StatusCode.UNAVAILABLE),
-    (KeyError, grpc.StatusCode.NOT_FOUND),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message for an exception raised below a servicer."""
-    for kind, code in _STATUS_BY_EXCEPTION:
-        if isinstance(exc, kind):
-            # KeyError's str() quotes its argument; the message reads better without.
-            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-            return code, str(message)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message that report an exception raised below a servicer."""
+    if isinstance(exc, StatusError):
+        return grpc_code(exc.code), exc.message
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc}); see the server's log"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    code, message = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        log.exception("unhandled error in an RPC", exc_info=exc)
+    code, message = status_of(exc)
+    if not isinstance(exc, StatusError):
+        log.error("unexpected error in an RPC", exc_info=exc)
     await context.abort(code, message)
 
 

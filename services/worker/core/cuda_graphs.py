@@ -9,11 +9,12 @@ steps, and batches larger than the largest graph, run eagerly.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from kernels.backend import AttentionMetadata
-from services.worker.batch import ForwardBatch
+from services.worker.core.batch import ForwardBatch
 from services.worker.models import CausalLM
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(largest, dtype=torch.long, device=device)
         self.rows = torch.arange(largest + 1, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool, once the first is captured
 
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool

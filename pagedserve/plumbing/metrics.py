@@ -10,10 +10,12 @@ structures from the scrape thread.
 
 from __future__ import annotations
 
-import argparse
 import logging
+from dataclasses import dataclass
 
 from prometheus_client import start_http_server
+
+from pagedserve.plumbing.settings import check_settings, setting, tcp_port
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +41,29 @@ def serve_metrics(port: int, host: str = METRICS_HOST) -> str | None:
     return url
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    """The three processes' --metrics-port and --metrics-host."""
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="serve Prometheus metrics on PORT/metrics (default: 0, none)",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        default=METRICS_HOST,
-        help="the metrics server's interface; 0.0.0.0 lets other hosts scrape (default: %(default)s)",
-    )
+def _port_or_none(port: int) -> str | None:
+    return None if tcp_port(port) is None else f"must be 0 (no metrics server) or a TCP port, got {port}"
 
 
-def check_metrics_port(port: int) -> None:
-    """For the configs' checks: 0 (no metrics server) or a TCP port."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"metrics_port must be 0 (no metrics server) or a TCP port, got {port}")
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Where a process serves its Prometheus metrics."""
+
+    port: int = setting(
+        0,
+        "serve Prometheus metrics on http://HOST:PORT/metrics; 0 serves none",
+        flag="--metrics-port",
+        check=tcp_port,
+    )
+    host: str = setting(
+        METRICS_HOST,
+        "the metrics server's interface; 0.0.0.0 lets other hosts scrape",
+        flag="--metrics-host",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def serve(self) -> str | None:
+        """Start the metrics server when a port is set; returns its URL."""
+        return serve_metrics(self.port, self.host)

@@ -1,0 +1,74 @@
+"""The checks a PageLedger runs on a request before it changes anything, so that bad input changes nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from memory_daemon.lease import NULL_PAGE, Lease, PageState
+from memory_daemon.prefix import MAX_KEY_BYTES
+from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+
+
+class RequestChecks:
+    """Mixed into PageLedger, whose page states, holders and size it reads."""
+
+    num_pages: int
+    _state: bytearray
+    _holder: list[Lease | None]
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def _check_page_id(self, page: int) -> None:
+        if not NULL_PAGE < page < self.num_pages:
+            null = " (page 0 is the null page and is never leased)" if page == NULL_PAGE else ""
+            raise InvalidArgument(
+                f"page {page} is out of range: this pool's pages are 1..{self.num_pages - 1}{null}"
+            )
+
+    def _check_leased_by(self, lease: Lease, pages: Iterable[int], verb: str) -> None:
+        seen: set[int] = set()
+        for page in pages:
+            self._check_page_id(page)
+            if page in seen:
+                raise FailedPrecondition(f"cannot {verb} page {page} twice in one update")
+            seen.add(page)
+            state, holder = self._state[page], self._holder[page]
+            if state == PageState.LEASED and holder is lease:
+                continue
+            if state == PageState.FREE:
+                raise FailedPrecondition(f"cannot {verb} page {page}: it is already free (a double free?)")
+            if state == PageState.LEASED:
+                raise PermissionDenied(f"cannot {verb} page {page}: it is leased to {holder}, not to {lease}")
+            raise FailedPrecondition(
+                f"cannot {verb} page {page}: it is shared, not leased; drop your reference with unref instead"
+            )
+
+    def _check_refs(self, lease: Lease, unref: Sequence[int], published: set[int]) -> None:
+        for page, count in Counter(unref).items():
+            self._check_page_id(page)
+            held = lease.refs[page] + (page in published)
+            if count <= held:
+                continue
+            if self._state[page] == PageState.LEASED and page not in published:
+                raise FailedPrecondition(
+                    f"cannot unref page {page}: it is leased, not shared; release it instead"
+                )
+            raise FailedPrecondition(
+                f"cannot unref page {page} {count} time(s): {lease} holds {held} reference(s) on it "
+                "(a double free?)"
+            )
+
+    def _check_count(self, name: str, value: int) -> None:
+        if not 0 <= value <= self.usable_pages:
+            raise InvalidArgument(
+                f"{name} must be between 0 and the pool's {self.usable_pages} pages, got {value}"
+            )
+
+    @staticmethod
+    def _check_keys(keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise InvalidArgument(f"a page key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")

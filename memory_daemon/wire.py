@@ -1,0 +1,66 @@
+"""The MemoryDaemon contract's messages to and from the daemon's plain dataclasses.
+
+The servicer (`service`) and the worker's client (`services.worker.kv.remote`) are the only callers: below
+them, shapes, pool handles and counts are dataclasses.
+"""
+
+from __future__ import annotations
+
+from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
+from memory_daemon.pool import Pool
+from memory_daemon.shape import DEFAULT_PAGE_SIZE, PoolShape
+from memory_daemon.stats import PoolCounts, WorkerUsage
+from pagedserve.memory.v1 import memory_pb2
+from pagedserve.plumbing.messages import from_message, to_message
+
+
+def shape_to_pb(shape: PoolShape) -> memory_pb2.PoolShape:
+    return to_message(shape, memory_pb2.PoolShape)
+
+
+def shape_from_pb(pb: memory_pb2.PoolShape) -> PoolShape:
+    """Raises InvalidArgument for a shape no pool can have."""
+    return from_message(PoolShape, pb, page_size=pb.page_size or DEFAULT_PAGE_SIZE)
+
+
+def descriptor_to_pb(descriptor: PoolDescriptor) -> memory_pb2.PoolDescriptor:
+    pb = memory_pb2.PoolDescriptor(
+        pool_id=descriptor.pool_id,
+        shape=shape_to_pb(descriptor.shape),
+        num_pages=descriptor.num_pages,
+        nbytes=descriptor.nbytes,
+    )
+    handle = descriptor.handle
+    if isinstance(handle, ShmHandle):
+        pb.shm.path = handle.path
+    else:
+        pb.cuda.CopyFrom(to_message(handle, memory_pb2.CudaIpc))
+    return pb
+
+
+def descriptor_from_pb(pb: memory_pb2.PoolDescriptor) -> PoolDescriptor:
+    kind = pb.WhichOneof("storage")
+    handle: ShmHandle | CudaHandle
+    if kind == "shm":
+        handle = ShmHandle(pb.shm.path)
+    elif kind == "cuda":
+        handle = from_message(CudaHandle, pb.cuda)
+    else:
+        raise ValueError(f"the daemon sent a pool with no storage this worker knows: {kind!r}")
+    return PoolDescriptor(pb.pool_id, shape_from_pb(pb.shape), pb.num_pages, pb.nbytes, handle)
+
+
+def pool_stats_to_pb(pool: Pool) -> memory_pb2.PoolStats:
+    counts = pool.ledger.counts()
+    return to_message(
+        counts,
+        memory_pb2.PoolStats,
+        workers=[to_message(usage, memory_pb2.WorkerUsage) for usage in counts.workers],
+        pool_id=pool.pool_id,
+        shape=shape_to_pb(pool.shape),
+        storage=pool.storage.label,
+    )
+
+
+def counts_from_pb(pb: memory_pb2.PoolStats) -> PoolCounts:
+    return from_message(PoolCounts, pb, workers=tuple(from_message(WorkerUsage, w) for w in pb.workers))

@@ -1,0 +1,171 @@
+"""`pagedserve up`: the daemon, the workers and the frontend as separate OS processes on this machine.
+
+Internal services talk over unix sockets in a private run folder; only the frontend listens on TCP, with
+TLS and a bearer token if asked. The internal calls carry a shared secret made fresh for each run and handed
+to the children in their environment. Every flag of `pagedserve daemon`, `worker` and `frontend` works here
+too, except those `up` sets itself (addresses, names, metrics ports): it is declared once, in that process's
+config, and passed on to each child that has it (`--device` to the daemon and the workers, `--model` to the
+workers and the frontend). If a child dies, the launcher says which one and why, and starts it again: a
+worker re-attaches to the daemon's pool, whose cached prefixes outlive it, and after a daemon restart the
+workers attach to the new one. Under --no-restart, or when one child keeps dying, the whole stack stops.
+Ctrl-C or SIGTERM drains the frontend, then stops the workers and the daemon, also while the stack is still
+starting.
+
+The launcher checks the frontend's health on a unix socket of its own (--local-address), so that a TLS
+certificate issued for another name, or a wildcard --host, does not stand in the way.
+
+Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
+`{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
+{"frontend": {"address", "metrics"}, "daemon": {"address", "metrics"}, "workers": [{"name", "address",
+"metrics"}]}, with null metrics when they are off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memory_daemon.config import DaemonConfig
+from pagedserve.plumbing import settings
+from pagedserve.plumbing.auth import SECRET_ENV
+from pagedserve.plumbing.metrics import METRICS_HOST, metrics_url
+from pagedserve.plumbing.settings import positive, setting, tcp_port
+from services.frontend.config import FrontendConfig
+from services.launcher import ChildDied, Interrupted, Launcher
+from services.worker.config import WorkerConfig
+
+# Set by `up` for each child, so not flags of `up`.
+MANAGED = frozenset(
+    ["--address", "--metrics-port", "--name", "--kv", "--daemon", "--worker", "--local-address"]
+)
+# The worker first: where several processes share a flag, --help shows the worker's words for it.
+CHILDREN: dict[str, type] = {"worker": WorkerConfig, "daemon": DaemonConfig, "frontend": FrontendConfig}
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The settings of `up` itself; its children's come from their own configs."""
+
+    host: str = setting("127.0.0.1", "the frontend's host")
+    port: int = setting(50051, "the frontend's port; 0 picks a free one", check=tcp_port)
+    workers: int = setting(1, "compute workers sharing the pool", check=positive)
+    run_dir: str | None = setting(None, "where the internal unix sockets go (default: a new temp dir)")
+    restart: bool = setting(True, "start a child that dies again (at most 5 times a minute)")
+    metrics: bool = setting(True, "each process serves Prometheus metrics on a free loopback port")
+
+    def __post_init__(self) -> None:
+        settings.check_settings(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    stack: StackConfig
+    flags: dict[str, list[str]]  # the flags given for each kind of child, to pass on
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, StackConfig)
+    for config in CHILDREN.values():
+        settings.add_arguments(parser, config, skip=MANAGED)
+
+
+def configure(args: argparse.Namespace) -> Plan:
+    """The stack's settings; the children's are checked now, so that a bad one is a usage error at once."""
+    for config in CHILDREN.values():
+        settings.from_args(config, args)
+    flags = {name: settings.given_flags(config, args, skip=MANAGED) for name, config in CHILDREN.items()}
+    return Plan(settings.from_args(StackConfig, args), flags)
+
+
+def run(plan: Plan) -> int:
+    stack = plan.stack
+    run_dir = Path(stack.run_dir) if stack.run_dir else Path(tempfile.mkdtemp(prefix="pagedserve-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Every child inherits the run's shared secret; one already set in the environment is kept.
+    env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)}
+    launcher = Launcher(run_dir, env)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: launcher.stopping.set())
+    address = f"{stack.host}:{stack.port or _free_port(stack.host)}"
+    try:
+        endpoints = _start_stack(launcher, plan, address)
+        _write_json(run_dir / "endpoints.json", endpoints)
+        launcher.say(f"pagedserve is up on {address} with {stack.workers} worker(s); Ctrl-C stops it")
+        if stack.metrics:
+            named = [("frontend", endpoints["frontend"]), ("daemon", endpoints["daemon"])]
+            named += [(worker["name"], worker) for worker in endpoints["workers"]]
+            launcher.say("metrics: " + ", ".join(f"{name} {where['metrics']}" for name, where in named))
+        while not launcher.stopping.wait(0.2):
+            dead = launcher.first_dead()
+            if dead is not None:
+                if not stack.restart:
+                    raise ChildDied(dead)
+                launcher.restart(dead)
+        launcher.say("stopping: the frontend drains first")
+        return 0
+    except Interrupted as exc:
+        launcher.say(str(exc))
+        return 0
+    except (ChildDied, TimeoutError) as exc:
+        launcher.say(f"{exc}; stopping the rest")
+        return 1
+    finally:
+        launcher.stop_all()
+        if stack.run_dir is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]:
+    """Start every process in order; returns their endpoints, as endpoints.json holds them."""
+
+    def metrics() -> tuple[list[str], str | None]:
+        if not plan.stack.metrics:
+            return [], None
+        port = _free_port(METRICS_HOST)  # picked just before use: a free port may not stay free
+        return ["--metrics-port", str(port)], metrics_url(port)
+
+    daemon_address = f"unix:{launcher.run_dir}/daemon.sock"
+    daemon_flags, daemon_metrics = metrics()
+    daemon = ["daemon", "--address", daemon_address, *daemon_flags, *plan.flags["daemon"]]
+    launcher.start("daemon", daemon, daemon_address)
+    workers: list[dict[str, str | None]] = []
+    for i in range(plan.stack.workers):
+        name, worker_address = f"worker-{i}", f"unix:{launcher.run_dir}/worker-{i}.sock"
+        worker_flags, worker_metrics = metrics()
+        worker = ["worker", "--name", name, "--address", worker_address, "--daemon", daemon_address]
+        launcher.start(name, [*worker, *worker_flags, *plan.flags["worker"]], worker_address)
+        workers.append({"name": name, "address": worker_address, "metrics": worker_metrics})
+    frontend_flags, frontend_metrics = metrics()
+    local_address = f"unix:{launcher.run_dir}/frontend.sock"
+    frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
+    frontend += [arg for worker in workers for arg in ("--worker", str(worker["address"]))]
+    launcher.start(
+        "frontend", [*frontend, *plan.flags["frontend"]], local_address, "pagedserve.v1.Generation"
+    )
+    return {
+        "frontend": {"address": address, "metrics": frontend_metrics},
+        "daemon": {"address": daemon_address, "metrics": daemon_metrics},
+        "workers": workers,
+    }
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write whole or not at all: a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n")
+    partial.replace(path)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

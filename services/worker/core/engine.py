@@ -1,0 +1,144 @@
+"""The engine core: one step at a time, on the caller's thread: schedule, run the model, postprocess.
+
+It checks and admits requests, aborts them, and fails them all when the step cannot go on. It knows no
+thread (`loop` runs it in one), no gRPC and no protobuf (the servicer converts its outputs). Tests and
+benchmarks drive it directly with `add_request`, `step` and `run_until_done`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError
+from pagedserve.plumbing.settings import check_settings, positive, setting
+from services.common.limits import check_prompt_fits
+from services.common.sampling import SamplingOptions
+from services.worker.core.cuda_graphs import DecodeGraphs
+from services.worker.core.model_runner import ModelRunner
+from services.worker.core.outputs import RequestOutput
+from services.worker.core.scheduler import Scheduler
+from services.worker.core.sequence import FinishReason, Sequence
+from services.worker.kv.base import KVCache
+from services.worker.models import CausalLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batched_tokens: int = setting(
+        1024, "tokens a step, prefill chunks and decodes together; trades TTFT against TPOT", check=positive
+    )
+    max_num_seqs: int = setting(64, "sequences running at once", check=positive)
+    prefix_caching: bool = setting(True, "look prompts up in the prefix cache, and publish full pages")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+class EngineCore:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, config: EngineConfig, graphs: DecodeGraphs | None = None
+    ) -> None:
+        self.model = model
+        self.config = config
+        spec = model.spec
+        self.scheduler = Scheduler(
+            kv,
+            max_batched_tokens=config.max_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            prefix_caching=config.prefix_caching,
+            eos_token_ids=spec.eos_token_ids,
+            max_model_len=spec.max_model_len,
+        )
+        self.runner = ModelRunner(model, kv, graphs)
+        self._arrivals = itertools.count()
+        # Counters for metrics, written only by the thread that steps; see also the scheduler's.
+        self.steps = 0  # steps that ran the model
+        self.generation_tokens = 0  # tokens sampled, cancelled requests' included
+        self.last_batch: tuple[int, int] = (0, 0)  # (tokens, sampled rows) of the last forward pass
+
+    @property
+    def kv(self) -> KVCache:
+        return self.scheduler.kv
+
+    def new_sequence(
+        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+    ) -> Sequence:
+        """A checked request, ready for `add`; safe to call from any thread.
+
+        Raises InvalidArgument for a prompt this model cannot run, ResourceExhausted for one over the
+        context or one that the KV pool can never hold.
+        """
+        spec = self.model.spec
+        if not prompt_ids:
+            raise InvalidArgument("the prompt is empty")
+        check_prompt_fits(len(prompt_ids), spec.max_model_len)
+        if not (min(prompt_ids) >= 0 and max(prompt_ids) < spec.vocab_size):
+            bad = next(t for t in prompt_ids if not 0 <= t < spec.vocab_size)
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary (0..{spec.vocab_size - 1})")
+        pages = -(-(len(prompt_ids) + 1) // self.kv.page_size)
+        if pages >= self.kv.num_pages:
+            raise ResourceExhausted(
+                f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}: "
+                "shorten it, or give the workers more --kv-memory"
+            )
+        return Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def add_request(
+        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+    ) -> None:
+        self.add(self.new_sequence(key, prompt_ids, options, priority))
+
+    def abort(self, key: Hashable) -> RequestOutput | None:
+        """End a request now, freeing its pages; None if it is not running (it finished already)."""
+        seq = self.scheduler.requests.get(key)
+        return None if seq is None else self._finish(seq, FinishReason.ABORT)
+
+    def fail_all(self, error: StatusError) -> list[RequestOutput]:
+        """End every request with error: the step cannot go on (the KV pool is gone, say)."""
+        return [
+            self._finish(seq, FinishReason.ABORT, error) for seq in list(self.scheduler.requests.values())
+        ]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model on the plan, postprocess; returns what every request got."""
+        plan = self.scheduler.schedule()
+        outputs = [RequestOutput.of(seq) for seq in plan.finished]
+        if plan.items:
+            ran = self.runner.run(plan.items)
+            outputs += self.scheduler.postprocess(plan, ran.sampled, ran.samples)
+            self.steps += 1
+            self.generation_tokens += len(ran.sampled)
+            self.last_batch = (ran.num_tokens, len(ran.sampled))
+        return outputs
+
+    def run_until_done(self) -> list[RequestOutput]:
+        """Step until every request finishes (for tests and benchmarks, with no thread)."""
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished():
+            outputs += self.step()
+        return outputs
+
+    def rebind(self, kv: KVCache) -> None:
+        """Run on another pool; call with no request unfinished."""
+        assert not self.has_unfinished(), "the requests on the old pool must be gone"
+        self.scheduler.kv = kv
+        self.runner.rebind(kv)
+
+    def kv_slots(self) -> tuple[int, int]:
+        """(allocated, used) token slots of the running sequences: fragmentation is 1 - used / allocated."""
+        running = self.scheduler.running
+        allocated = sum(len(seq.pages) for seq in running) * self.kv.page_size
+        return allocated, sum(seq.num_computed for seq in running)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        return RequestOutput.of(seq, error=error)

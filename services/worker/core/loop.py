@@ -1,0 +1,165 @@
+"""The engine thread: the engine core stepped in a loop of its own, fed through an inbox.
+
+Submissions, aborts and commands (suspend, resume) arrive from other threads through the inbox; the loop
+drains it at the top of every step, so an abort frees the request's pages before the next step runs. Each
+step's outputs, for every request at once, go to one callback. If a step fails because the KV pool went
+away, every request fails UNAVAILABLE and new ones are refused until `resume`; if it fails for any other
+reason, that is a bug: it is logged with its traceback and every live request fails INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+
+from pagedserve.plumbing.errors import Internal, Unavailable
+from services.common.sampling import SamplingOptions
+from services.worker.core.engine import EngineCore
+from services.worker.core.outputs import RequestOutput
+from services.worker.core.sequence import Sequence
+from services.worker.kv.base import KVCache, PoolLost
+
+log = logging.getLogger(__name__)
+
+Command = Callable[[], list[RequestOutput]]
+
+
+class EngineLoop:
+    def __init__(
+        self, core: EngineCore, on_outputs: Callable[[list[RequestOutput]], None] | None = None
+    ) -> None:
+        self.core = core
+        self.on_outputs = on_outputs
+        self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each model step
+        self.suspended: str | None = None  # why new requests are refused: the KV pool is out of reach
+        self.kv_slots: tuple[int, int] = (0, 0)  # core.kv_slots() after the last step, for other threads
+        self._wake = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[Hashable] = []
+        self._commands: list[tuple[Command, Future[None]]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # Called from any thread ------------------------------------------------------------------------
+
+    def submit(
+        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+    ) -> None:
+        """Queue a request; raises Unavailable while the pool is out of reach, and what the core's
+        `new_sequence` raises for a request it cannot run."""
+        if self.suspended is not None:
+            raise Unavailable(self.suspended)
+        seq = self.core.new_sequence(key, prompt_ids, options, priority)
+        with self._wake:
+            self._inbox.append(seq)
+            self._wake.notify()
+
+    def abort(self, keys: Iterable[Hashable]) -> None:
+        with self._wake:
+            self._aborts.extend(keys)
+            self._wake.notify()
+
+    def suspend(self, reason: str) -> Future[None]:
+        """Fail every live request with UNAVAILABLE and refuse new ones, until resume: the pool is gone."""
+
+        def command() -> list[RequestOutput]:
+            self.suspended = reason
+            return self.core.fail_all(Unavailable(reason))
+
+        return self._command(command)
+
+    def resume(self, kv: KVCache) -> Future[None]:
+        """Run on a new KV cache (the daemon came back): call after suspend."""
+
+        def command() -> list[RequestOutput]:
+            self.core.rebind(kv)
+            self.suspended = None
+            return []
+
+        return self._command(command)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        with self._wake:
+            queued = len(self._inbox)
+        scheduler = self.core.scheduler
+        return len(scheduler.running), scheduler.num_waiting + queued
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; requests still live end with ABORT."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # The engine thread ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Drain the inbox, then run one engine step; a failed step fails the live requests."""
+        outputs: list[RequestOutput] = []
+        try:
+            outputs += self._drain_inbox()
+            outputs += self.core.step()
+        except PoolLost as exc:  # the memory daemon went away mid-step: the worker re-attaches
+            log.error("lost the KV pool: %s", exc)
+            self.suspended = f"the KV memory daemon is out of reach ({exc}); retry"
+            outputs += self.core.fail_all(Unavailable(self.suspended))
+        except Exception:
+            log.exception("engine step failed; failing every live request")
+            failure = Internal("the engine failed on this request's step; see the worker log")
+            outputs += self.core.fail_all(failure)
+        return outputs
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopping or self._has_work())
+                if self._stopping:
+                    break
+            steps, started = self.core.steps, time.perf_counter()
+            outputs = self.step()
+            self.kv_slots = self.core.kv_slots()
+            if self.on_step is not None and self.core.steps != steps:
+                self.on_step(time.perf_counter() - started, self.core.last_batch[0])
+            self._emit(outputs)
+        self._emit([out for key in list(self.core.scheduler.requests) if (out := self.core.abort(key))])
+
+    def _has_work(self) -> bool:
+        return bool(self.core.has_unfinished() or self._inbox or self._aborts or self._commands)
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self.on_outputs is not None:
+            self.on_outputs(outputs)
+
+    def _command(self, command: Command) -> Future[None]:
+        done: Future[None] = Future()
+        with self._wake:
+            self._commands.append((command, done))
+            self._wake.notify()
+        return done
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._wake:
+            commands, self._commands = self._commands, []
+            arrived, self._inbox = self._inbox, []
+            aborted, self._aborts = self._aborts, []
+        outputs: list[RequestOutput] = []
+        for command, done in commands:
+            outputs += command()
+            done.set_result(None)
+        for seq in arrived:
+            self.core.add(seq)
+        for key in aborted:
+            output = self.core.abort(key)
+            if output is not None:
+                outputs.append(output)
+        return outputs
