@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import shutil
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from tests.procs import (
     start_daemon,
     start_worker,
 )
+from tests.waiting import wait_until
 
 Reason = generation_pb2.GenerateResponse.FinishReason
 
@@ -111,10 +111,15 @@ def chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -> None:
     """Poll the worker until no request runs and no page is in use."""
-    deadline = time.monotonic() + timeout_s
-    while (load := stub.GetLoad(worker_pb2.GetLoadRequest())).running or load.kv_pages_in_use:
-        assert time.monotonic() < deadline, f"the worker is still busy: {load}"
-        time.sleep(0.02)
+
+    def load() -> worker_pb2.Load:
+        return stub.GetLoad(worker_pb2.GetLoadRequest())
+
+    wait_until(
+        lambda: not ((now := load()).running or now.kv_pages_in_use),
+        timeout_s,
+        lambda: f"the worker to be idle; it is still busy: {load()}",
+    )
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(
