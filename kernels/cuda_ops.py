@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
+from kernels.backend import PageSize
 from kernels.nvrtc import DTYPE_MACROS, load_kernel
 from kernels.tuning import Tuning
 
-PAGE_SIZES = (8, 16, 32)
+PAGE_SIZES = get_args(PageSize)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head; the decode kernel keeps them all in registers
 

@@ -13,12 +13,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from memory_daemon.stats import PoolCounts
 from memory_daemon.wire import counts_from_pb
@@ -27,6 +28,7 @@ from pagedserve.plumbing.auth import SECRET_ENV, secret_metadata
 from pagedserve.plumbing.rpc import wait_for_health
 from services.client import tls_credentials
 from services.common.default_model import default_model_dir
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 # Every process the tests start inherits this secret, as `pagedserve up` hands its children one.
@@ -77,6 +79,25 @@ def every_page_accounted(daemon_address: str) -> bool:
     """Every page is free, idle in a worker's lease, or cached and evictable: none is held by a sequence."""
     counts = pool_counts(daemon_address)
     return counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
+
+
+class Scrape:
+    """One /metrics page of a process: sample name and labels -> value."""
+
+    def __init__(self, url: str) -> None:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        self.samples = {
+            (sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def __call__(self, name: str, **labels: str) -> float:
+        return self.samples[(name, frozenset(labels.items()))]
+
+    def mean(self, histogram: str) -> float:
+        return self(f"{histogram}_sum") / self(f"{histogram}_count")
 
 
 @dataclass
@@ -257,12 +278,19 @@ def start_stack(
     """
     stack = launch_stack(run_dir, *extra, host=host)
     proc, address = stack.proc, stack.address
-    deadline = time.monotonic() + timeout_s
-    while "pagedserve is up on" not in stack.log():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stack.stop()
-            raise AssertionError(f"pagedserve up did not come up:\n{stack.log()}")
-        time.sleep(0.1)
+
+    def came_up_or_exited() -> str | None:
+        if "pagedserve is up on" in stack.log():
+            return "up"
+        return "exited" if proc.poll() is not None else None
+
+    try:
+        state = wait_until(came_up_or_exited, timeout_s, "pagedserve up to come up", interval_s=0.1)
+    except AssertionError:
+        state = "timed out"
+    if state != "up":
+        stack.stop()
+        raise AssertionError(f"pagedserve up did not come up ({state}):\n{stack.log()}")
     credentials = tls_credentials(str(tls_ca)) if tls_ca else None
     wait_for_health(address, timeout_s=10, service="pagedserve.v1.Generation", credentials=credentials)
     return stack

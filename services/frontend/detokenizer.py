@@ -6,7 +6,10 @@ that the first generated token decodes as it would in context (a leading space, 
 inside a character, the decoder is primed up to the last whole character and fed the rest, and what the
 prompt already showed of that character is not repeated. The last len(longest stop string) - 1 characters
 stay held back until they can no longer begin a stop string; when several stop strings appear, the one
-completed first wins, as it would token by token.
+completed first wins, as it would token by token. When the request ends inside a character (max_tokens, a
+stop token or an abort after some of its bytes), finish() flushes the tokens DecodeStream still holds, decoded
+in context as it would decode them (U+FFFD where the tokenizer puts it), so that the deltas always add up to
+the tokenizer's decode of the output.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ PROMPT_CONTEXT = 6  # prompt tokens that prime the decoder
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
-        self._decoder, self._shown = self._primed(list(prompt_ids[-PROMPT_CONTEXT:]))
+        window = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._decoder, whole, self._shown = self._primed(window)
+        self._context = window[:whole]  # the last tokens up to the decoder's last piece
+        self._pending = window[whole:]  # tokens fed since: bytes of an unfinished character, special tokens
+        self._from_prompt = len(self._pending)  # how many of those the prompt gave, not the output
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # everything decoded so far
@@ -38,26 +45,42 @@ class TextStream:
         if self.stopped:
             return ""
         for token_id in token_ids:
+            self._pending.append(token_id)
             piece = self._decoder.step(self._tokenizer, token_id)
             if piece:
-                skipped = min(self._shown, len(piece))
-                self._shown -= skipped
-                self._text += piece[skipped:]
+                self._context = [*self._context, *self._pending][-PROMPT_CONTEXT:]
+                self._pending, self._from_prompt = [], 0
+                self._add(piece)
+        if self._cut_at_stop():
+            return self._release(len(self._text))
+        return self._release(len(self._text) - self._hold)
+
+    def finish(self) -> str:
+        """The request is over: flush the bytes of an unfinished character, and release what was held back."""
+        if len(self._pending) > self._from_prompt and not self.stopped:
+            context = self._decode(self._context)
+            self._add(self._decode(self._context + self._pending)[len(context) :])
+            self._pending, self._from_prompt = [], 0
+            self._cut_at_stop()
+        return self._release(len(self._text))
+
+    def _add(self, piece: str) -> None:
+        skipped = min(self._shown, len(piece))  # what the prompt already showed of its unfinished character
+        self._shown -= skipped
+        self._text += piece[skipped:]
+
+    def _cut_at_stop(self) -> bool:
+        """Cut the text before the stop string completed first, if any; whether one was found."""
         # A stop string starting before the emitted text would have been found by an earlier push.
         found = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
         if found:
             self._text = self._text[: min(found)[1]]
             self.stopped = True
-            return self.finish()
-        return self._release(len(self._text) - self._hold)
+        return bool(found)
 
-    def finish(self) -> str:
-        """The request is over: release what was held back."""
-        return self._release(len(self._text))
-
-    def _primed(self, window: list[int]) -> tuple[DecodeStream, int]:
-        """A decoder primed with the prompt's last tokens, and how many characters of a character the prompt
-        left unfinished were already shown (a leading space, say)."""
+    def _primed(self, window: list[int]) -> tuple[DecodeStream, int, int]:
+        """A decoder primed with the prompt's last tokens, how many of them end in a whole character, and
+        how many characters of a character the prompt left unfinished were already shown (a leading space)."""
         whole = len(window)
         while whole and self._decode(window[:whole]).endswith("\ufffd"):
             whole -= 1
@@ -65,7 +88,7 @@ class TextStream:
         for token_id in window[whole:]:
             decoder.step(self._tokenizer, token_id)  # bytes of an unfinished character: nothing comes out
         shown = len(self._decode(window).rstrip("\ufffd")) - len(self._decode(window[:whole]))
-        return decoder, shown
+        return decoder, whole, shown
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

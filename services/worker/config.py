@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from kernels.backend import PageSize
 from memory_daemon.shape import DType
 from pagedserve.plumbing.auth import secret_setting
 from pagedserve.plumbing.logs import log_level_setting
@@ -14,8 +15,6 @@ from pagedserve.plumbing.metrics import MetricsSettings
 from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, setting
 from pagedserve.plumbing.sizes import parse_bytes
 from services.worker.core.engine import EngineConfig
-
-PageSize = Literal[8, 16, 32]  # what the CUDA kernels are built for
 
 
 @dataclass(frozen=True)

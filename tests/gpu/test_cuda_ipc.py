@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from tests.procs import KVAgent, internal_channel, start_daemon
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
-        reason="needs a CUDA device and CuPy",
-    ),
-]
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

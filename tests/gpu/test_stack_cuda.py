@@ -3,7 +3,6 @@ IPC, the CuPy kernels and CUDA graphs) gives transformers' greedy tokens on a sm
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import grpc
@@ -16,13 +15,7 @@ from services.client import generate_request
 from tests.models import make_model
 from tests.procs import start_stack
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
-        reason="needs a CUDA device and CuPy",
-    ),
-]
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
 
 # Head dim 64, which the CUDA kernels take; two query heads per KV head.
 SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}

@@ -18,6 +18,7 @@ from memory_daemon.wire import counts_from_pb, shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from tests.integration.kv_agent import SHAPE
 from tests.procs import DaemonProcess, KVAgent, free_port, internal_channel, start_daemon
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -44,15 +45,6 @@ def pool_counts(stub: memory_pb2_grpc.MemoryDaemonStub) -> PoolCounts:
     return counts_from_pb(pool)
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
-    """Poll until predicate holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, "condition not reached in time"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 def test_two_workers_share_one_pool_and_a_killed_worker_returns_its_pages(
     daemon: DaemonProcess, stub: memory_pb2_grpc.MemoryDaemonStub, agents: Callable[..., KVAgent]
 ) -> None:
@@ -75,7 +67,13 @@ def test_two_workers_share_one_pool_and_a_killed_worker_returns_its_pages(
     leased_by = {w.name: w.leased_pages for w in before.workers}
     assert before.leased_pages == leased_by["a"] + leased_by["b"]
     a.kill()
-    took = wait_until(lambda: len(pool_counts(stub).workers) == 1)
+    killed = time.monotonic()
+    wait_until(
+        lambda: len(pool_counts(stub).workers) == 1,
+        5.0,
+        lambda: f"the daemon to drop the killed worker: {pool_counts(stub)}",
+    )
+    took = time.monotonic() - killed
     after = pool_counts(stub)
     assert after.leased_pages == leased_by["b"]
     assert (after.cached_pages, after.evictable_pages, after.shared_pages) == (2, 2, 2)
@@ -90,7 +88,9 @@ def test_two_workers_share_one_pool_and_a_killed_worker_returns_its_pages(
 
     b("free", pages=pages_b + found)
     assert b.close() == 0
-    wait_until(lambda: not pool_counts(stub).workers)
+    wait_until(
+        lambda: not pool_counts(stub).workers, 5.0, lambda: f"every worker to detach: {pool_counts(stub)}"
+    )
     final = pool_counts(stub)
     assert final.settled and final.cached_pages == 2 and final.prefix_hits == 1
 
@@ -104,7 +104,11 @@ def test_an_idle_worker_returns_pages_when_another_runs_short(
     free = pool_counts(stub).free_pages
     assert idle_a > 0
     assert b("allocate", n=free + 1) is None  # short by one: the daemon asks a to give some back
-    wait_until(lambda: pool_counts(stub).free_pages > free)  # a's release reached the daemon
+    wait_until(  # a's release reached the daemon
+        lambda: pool_counts(stub).free_pages > free,
+        5.0,
+        lambda: f"more than {free} free pages: {pool_counts(stub)}",
+    )
     assert a("usage")["idle_pages"] < idle_a
     assert len(b("allocate", n=free + 1)) == free + 1
 
@@ -188,7 +192,7 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(
     assert len(stub.GetStats(memory_pb2.GetStatsRequest()).pools) == 1
     mine.cancel()
     theirs.cancel()
-    wait_until(lambda: pool_counts(stub).settled)
+    wait_until(lambda: pool_counts(stub).settled, 5.0, lambda: f"the pool to settle: {pool_counts(stub)}")
 
 
 def test_a_daemon_removes_files_a_dead_daemon_left(run_dir: Path) -> None:

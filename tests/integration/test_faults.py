@@ -25,6 +25,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
 from tests.procs import REPO, Stack, every_page_accounted, internal_channel, start_stack
+from tests.waiting import wait_until
 
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
 PROMPT = {"messages": [{"role": "user", "content": "Tell me about the history of Paris. " * 6}]}
@@ -42,17 +43,14 @@ def pid_of(stack: Stack, name: str) -> int:
     return int(line.split()[0])
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def worker_idle(stack: Stack) -> bool:
     with internal_channel(stack.worker_address()) as channel:
         load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     return load.running == 0 and load.kv_pages_in_use == 0
+
+
+def every_page_back(stack: Stack) -> Callable[[], bool]:
+    return lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address)
 
 
 class Streams:
@@ -98,11 +96,8 @@ def test_a_killed_worker_fails_its_streams_fast_leaks_nothing_and_comes_back(tmp
                 assert code == grpc.StatusCode.UNAVAILABLE, details
                 assert "went away" in details
                 assert ended - killed < 2.0, f"a stream took {ended - killed:.2f}s to fail"
-            wait_for(lambda: "worker-0 is back" in stack.log(), what="the worker's restart")
-            wait_for(
-                lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address),
-                what="every page back",
-            )
+            wait_until(lambda: "worker-0 is back" in stack.log(), 60, "the worker's restart", interval_s=0.1)
+            wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
             assert "worker-0 killed by SIGKILL; starting it again" in stack.log()
             wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")  # the frontend reconnected
             again = stub.Complete(generate_request(**PROMPT, max_tokens=8, temperature=0.0))
@@ -130,9 +125,11 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
                 # The worker is up but refuses requests, so the frontend is NOT_SERVING and says why.
                 health = health_pb2_grpc.HealthStub(channel)
                 check = health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation")
-                wait_for(
+                wait_until(
                     lambda: health.Check(check).status == health_pb2.HealthCheckResponse.NOT_SERVING,
-                    what="the frontend reporting NOT_SERVING",
+                    60,
+                    "the frontend reporting NOT_SERVING",
+                    interval_s=0.1,
                 )
                 with pytest.raises(grpc.RpcError) as caught:
                     stub.Complete(generate_request("Hi", max_tokens=2))
@@ -141,16 +138,16 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
                 assert "the KV memory daemon went away" in caught.value.details()
             finally:
                 os.kill(stack.proc.pid, signal.SIGCONT)
-            wait_for(
-                lambda: "re-attached to the memory daemon" in stack.log(), what="the worker re-attaching"
+            wait_until(
+                lambda: "re-attached to the memory daemon" in stack.log(),
+                60,
+                "the worker re-attaching",
+                interval_s=0.1,
             )
             wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
             reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
             assert reply.usage.completion_tokens == 4
-            wait_for(
-                lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address),
-                what="every page back",
-            )
+            wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
         assert "daemon killed by SIGKILL; starting it again" in stack.log()
     finally:
         assert stack.stop() == 0
@@ -183,10 +180,6 @@ def test_clients_that_vanish_under_load_return_every_page(tmp_path: Path) -> Non
         assert running == 24
         client.kill()  # 24 streams gone without a goodbye
         client.wait()
-        wait_for(
-            lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address),
-            timeout_s=30,
-            what="every page back",
-        )
+        wait_until(every_page_back(stack), 30, "every page back", interval_s=0.1)
     finally:
         assert stack.stop() == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import queue
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from tests.procs import (
     start_daemon,
     start_stack,
 )
+from tests.waiting import wait_until
 
 C = grpc.StatusCode
 PUBLIC_CASES, DAEMON_CASES, ATTACH_CASES, WORKER_CASES = 300, 150, 80, 120
@@ -198,10 +198,12 @@ def test_fuzzed_daemon_calls_keep_the_books_exact(fuzz_daemon: DaemonProcess) ->
 
         session()
     assert healthy(fuzz_daemon.address)
-    deadline = time.monotonic() + 10
-    while (counts := pool_counts(fuzz_daemon.address)).workers:  # every lease ends with its stream
-        assert time.monotonic() < deadline, counts
-        time.sleep(0.05)
+    counts = wait_until(  # every lease ends with its stream
+        lambda: None if (now := pool_counts(fuzz_daemon.address)).workers else now,
+        10,
+        lambda: f"every lease to end with its stream: {pool_counts(fuzz_daemon.address)}",
+        interval_s=0.05,
+    )
     assert counts.leased_pages == 0 and counts.free_pages + counts.shared_pages == counts.total_pages
 
 
@@ -246,7 +248,7 @@ submits = st.builds(
     worker_pb2.Submit,
     prompt_token_ids=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 600), max_size=30),
     sampling=st.builds(
-        worker_pb2.SamplingOptions,
+        pb.SamplingParams,
         max_tokens=int32 | st.integers(1, 8),
         temperature=floats,
         top_p=floats,

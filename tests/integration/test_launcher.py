@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from tests.models import make_model
 from tests.procs import (
+    Scrape,
     Stack,
     free_port,
     internal_channel,
@@ -30,6 +30,7 @@ from tests.procs import (
     start_service,
     start_stack,
 )
+from tests.waiting import wait_until
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
@@ -47,11 +48,15 @@ def running_on(stack: Stack, index: int) -> int:
 
 
 def wait_for_running(stack: Stack, expected: set[tuple[int, int]]) -> tuple[int, int]:
-    deadline = time.monotonic() + 30
-    while (counts := (running_on(stack, 0), running_on(stack, 1))) not in expected:
-        assert time.monotonic() < deadline, f"the workers run {counts}, not one of {expected}"
-        time.sleep(0.05)
-    return counts
+    def counts() -> tuple[int, int]:
+        return running_on(stack, 0), running_on(stack, 1)
+
+    return wait_until(
+        lambda: now if (now := counts()) in expected else None,
+        30,
+        lambda: f"the workers to run one of {expected}; they run {counts()}",
+        interval_s=0.05,
+    )
 
 
 def test_requests_go_to_the_least_loaded_worker(two_workers: Stack) -> None:
@@ -117,9 +122,17 @@ def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
     two_workers: Stack, tmp_path: Path
 ) -> None:
     worker = two_workers.worker_address(0)
-    address, frontend = start_frontend(
-        tmp_path, "--worker", worker, "--max-running", "1", "--max-waiting", "2"
-    )
+    metrics = free_port()
+    limits = ("--max-running", "1", "--max-waiting", "2", "--metrics-port", str(metrics))
+    address, frontend = start_frontend(tmp_path, "--worker", worker, *limits)
+
+    def waiting() -> float:
+        return Scrape(f"http://127.0.0.1:{metrics}/metrics")("pagedserve_requests_waiting")
+
+    def queued(count: int) -> None:
+        """Wait until `count` requests wait for the one admission slot, as the frontend counts them."""
+        wait_until(lambda: waiting() == count, 30, lambda: f"{count} queued requests; {waiting():g} wait")
+
     finished: list[str] = []
     try:
         with grpc.insecure_channel(address) as channel:
@@ -133,9 +146,9 @@ def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
 
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 low = pool.submit(run, "low", 5)
-                time.sleep(0.3)  # "low" queues first, "high" second
+                queued(1)  # "low" queues first, "high" second
                 high = pool.submit(run, "high", -1)
-                time.sleep(0.3)
+                queued(2)
                 with pytest.raises(grpc.RpcError) as caught:
                     stub.Complete(generate_request(prompt="one too many", max_tokens=2))
                 assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -179,10 +192,14 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
 
 def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
     stack = launch_stack(tmp_path, "--kv-memory", "128MiB")
-    deadline = time.monotonic() + 120
-    while "worker-0 |" not in stack.log():  # the worker is loading: the stack is not up yet
-        assert stack.proc.poll() is None and time.monotonic() < deadline, stack.log()
-        time.sleep(0.05)
+
+    def loading_or_exited() -> str | None:
+        if "worker-0 |" in stack.log():  # the worker is loading: the stack is not up yet
+            return "loading"
+        return "exited" if stack.proc.poll() is not None else None
+
+    state = wait_until(loading_or_exited, 120, lambda: f"worker-0 to start:\n{stack.log()}", interval_s=0.05)
+    assert state == "loading", stack.log()
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(timeout=20) == 0, stack.log()
     # The worker may have come up meanwhile: then the frontend was the one starting.

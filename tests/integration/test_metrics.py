@@ -4,8 +4,6 @@ numbers, and each process's /metrics is scraped over HTTP and parsed with promet
 from __future__ import annotations
 
 import json
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +11,13 @@ from typing import Any
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import Stack, module_stack, start_stack
+from tests.procs import Scrape, Stack, module_stack, start_stack
+from tests.waiting import wait_until
 
 PAGE_SIZE = 16  # the launcher's default
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog, and the dog does not mind at all. " * 8
@@ -27,32 +25,14 @@ SHORT_IDS = list(range(100, 110))  # under one page: no prefix lookup, no cached
 ENDLESS = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
 
-class Scrape:
-    """One /metrics page: sample name and labels -> value."""
-
-    def __init__(self, url: str) -> None:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        self.samples = {
-            (sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
-
-    def __call__(self, name: str, **labels: str) -> float:
-        return self.samples[(name, frozenset(labels.items()))]
-
-    def mean(self, histogram: str) -> float:
-        return self(f"{histogram}_sum") / self(f"{histogram}_count")
-
-
 def eventually(url: str, ready: Callable[[Scrape], bool], timeout_s: float = 15) -> Scrape:
     """Scrape until ready: counters move when handlers finish and the daemon snapshots every 0.5 s."""
-    deadline = time.monotonic() + timeout_s
-    while not ready(latest := Scrape(url)):
-        assert time.monotonic() < deadline, "the metrics did not settle"
-        time.sleep(0.1)
-    return latest
+    return wait_until(
+        lambda: latest if ready(latest := Scrape(url)) else None,
+        timeout_s,
+        f"the metrics at {url} to settle",
+        interval_s=0.1,
+    )
 
 
 def read_endpoints(stack: Stack) -> dict[str, Any]:

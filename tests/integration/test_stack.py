@@ -5,9 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
 from tests.procs import REPO, Stack, internal_channel, module_stack
+from tests.waiting import wait_until
 
 Reason = pb.GenerateResponse.FinishReason
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -65,10 +66,19 @@ def worker_load(stack: Stack, index: int = 0) -> worker_pb2.Load:
 
 
 def wait_for_idle_worker(stack: Stack, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (load := worker_load(stack)).running or load.kv_pages_in_use:
-        assert time.monotonic() < deadline, f"the worker still holds requests or pages: {load}"
-        time.sleep(0.02)
+    wait_until(
+        lambda: not ((load := worker_load(stack)).running or load.kv_pages_in_use),
+        timeout_s,
+        lambda: f"the worker to let go of every request and page; it still holds {worker_load(stack)}",
+    )
+
+
+def frontend_cpu_seconds(stack: Stack) -> float:
+    """The CPU time the stack's frontend process has used, from /proc (a scrape would add to it)."""
+    (line,) = [line for line in stack.survivors() if "services.cli frontend" in line]
+    stat = Path(f"/proc/{line.split()[0]}/stat").read_text()
+    utime, stime = stat.rsplit(")", 1)[1].split()[11:13]  # fields 14 and 15, in clock ticks
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
 
 def test_streaming_and_unary_results_are_equal(stub: generation_pb2_grpc.GenerationStub) -> None:
@@ -191,12 +201,26 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(
     wait_for_idle_worker(stack)
 
 
-def test_a_huge_prompt_does_not_hold_up_other_calls(stub: generation_pb2_grpc.GenerationStub) -> None:
+def test_a_huge_prompt_does_not_hold_up_other_calls(
+    stack: Stack, stub: generation_pb2_grpc.GenerationStub
+) -> None:
     """Tokenizing megabytes takes seconds. It happens off the frontend's event loop, so others go on."""
     huge = "word " * (2 * 2**20)  # 10 MiB: under the message cap, far past the context
+    idle = frontend_cpu_seconds(stack)
+
+    def used() -> float:
+        return frontend_cpu_seconds(stack) - idle
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         big = pool.submit(stub.Complete, generate_request(huge, max_tokens=1))
-        time.sleep(0.5)
+        # The huge prompt has arrived and is being tokenized (seconds of CPU) once the frontend has worked
+        # for 0.3 s: receiving and parsing 10 MiB takes a small part of that, an idle frontend next to none.
+        wait_until(
+            lambda: used() >= 0.3 or big.done(),
+            60,
+            lambda: f"the frontend to tokenize the huge prompt; it has used {used():.2f}s of CPU",
+        )
+        assert not big.done(), "the huge prompt's call ended before its tokenization could be overlapped"
         small = stub.Complete(generate_request("Hi", max_tokens=2, ignore_eos=True))
         assert small.usage.completion_tokens == 2
         assert not big.done(), "the small call waited for the huge prompt's tokenization"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import shutil
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
+from services.common.wire import sampling_to_pb
 from tests.procs import (
     DaemonProcess,
     ServiceProcess,
@@ -29,6 +29,7 @@ from tests.procs import (
     start_daemon,
     start_worker,
 )
+from tests.waiting import wait_until
 
 Reason = generation_pb2.GenerateResponse.FinishReason
 
@@ -43,9 +44,9 @@ class WorkerStream:
         self._responses = self.stub.Connect(iter(self._requests.get, None))
 
     def submit(
-        self, request_id: str, prompt: list[int], options: SamplingOptions | worker_pb2.SamplingOptions
+        self, request_id: str, prompt: list[int], options: SamplingOptions | generation_pb2.SamplingParams
     ) -> None:
-        sampling = options.to_pb() if isinstance(options, SamplingOptions) else options
+        sampling = sampling_to_pb(options) if isinstance(options, SamplingOptions) else options
         submit = worker_pb2.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
         self._requests.put(worker_pb2.WorkerRequest(submit=[submit]))
 
@@ -111,10 +112,15 @@ def chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 def wait_until_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -> None:
     """Poll the worker until no request runs and no page is in use."""
-    deadline = time.monotonic() + timeout_s
-    while (load := stub.GetLoad(worker_pb2.GetLoadRequest())).running or load.kv_pages_in_use:
-        assert time.monotonic() < deadline, f"the worker is still busy: {load}"
-        time.sleep(0.02)
+
+    def load() -> worker_pb2.Load:
+        return stub.GetLoad(worker_pb2.GetLoadRequest())
+
+    wait_until(
+        lambda: not ((now := load()).running or now.kv_pages_in_use),
+        timeout_s,
+        lambda: f"the worker to be idle; it is still busy: {load()}",
+    )
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(
@@ -178,7 +184,7 @@ def test_bad_submits_get_errors_and_the_worker_keeps_serving(
     stream: WorkerStream, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     good = SamplingOptions(max_tokens=4, temperature=0.0)
-    bad_sampling = worker_pb2.SamplingOptions(
+    bad_sampling = generation_pb2.SamplingParams(
         max_tokens=4, temperature=-1.0, top_p=1.0, repetition_penalty=1.0
     )
     cases = {

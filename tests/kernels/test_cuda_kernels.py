@@ -12,7 +12,6 @@ Needs a CUDA device and CuPy; skipped without them.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 from collections.abc import Callable
@@ -36,13 +35,7 @@ from services.worker.models.llama import rotary_table
 from tests.kernels.steps import Chunk, llama_spec, make_metadata, slots_of
 from tests.models import make_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
-        reason="needs a CUDA device and CuPy",
-    ),
-]
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
 
 DEVICE = torch.device("cuda")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

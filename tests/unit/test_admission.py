@@ -33,7 +33,7 @@ def run(test: Callable[[], Awaitable[T]]) -> T:
 async def settle() -> None:
     """Let every ready task run until it blocks (a handful of loop turns is plenty here)."""
     for _ in range(5):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of this loop, not a wait for time: it runs alike on any machine
 
 
 class Gate:
