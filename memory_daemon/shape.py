@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 from pagedserve.plumbing.errors import InvalidArgument
 
-DType = Literal["float32", "bfloat16", "float16"]  # the one list of the dtypes a pool (and a model) can have
+DType = Literal["float32", "float16", "bfloat16"]  # the one list of the dtypes a pool (and a model) can have
 ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_PAGE_SIZE = 16
 _LIMITS = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 1024, "page_size": 1024}

@@ -53,7 +53,7 @@ class MetricsSettings:
         0,
         "serve Prometheus metrics on http://HOST:PORT/metrics; 0 serves none",
         flag="--metrics-port",
-        check=tcp_port,
+        check=_port_or_none,
     )
     host: str = setting(
         METRICS_HOST,

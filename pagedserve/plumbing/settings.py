@@ -95,7 +95,7 @@ def cuda_index(value: str) -> int:
 
 
 @dataclass(frozen=True)
-class _Field:
+class SettingField:
     name: str
     flag: str
     dest: str
@@ -104,7 +104,7 @@ class _Field:
     meta: Setting
 
 
-def _fields(config: type) -> Iterator[_Field | tuple[str, type]]:
+def _fields(config: type) -> Iterator[SettingField | tuple[str, type]]:
     """Every setting of a config class, and (name, class) for each nested config."""
     hints = typing.get_type_hints(config)
     for f in dataclasses.fields(config):
@@ -114,13 +114,13 @@ def _fields(config: type) -> Iterator[_Field | tuple[str, type]]:
             meta: Setting = f.metadata["setting"]
             flag = meta.flag or "--" + f.name.replace("_", "-")
             kind = _unwrap_optional(hints[f.name])
-            yield _Field(f.name, flag, flag[2:].replace("-", "_"), kind, f.default, meta)
+            yield SettingField(f.name, flag, flag[2:].replace("-", "_"), kind, f.default, meta)
 
 
-def settings_of(config: type) -> Iterator[_Field]:
+def settings_of(config: type) -> Iterator[SettingField]:
     """Every setting of a config class, nested ones included."""
     for item in _fields(config):
-        if isinstance(item, _Field):
+        if isinstance(item, SettingField):
             yield item
         else:
             yield from settings_of(item[1])
@@ -147,7 +147,7 @@ def choices(kind: Any) -> tuple[Any, ...] | None:
 def check_settings(config: object) -> None:
     """Check every setting of a config against its choices and check; raise ValueError naming the flag."""
     for field in _fields(type(config)):
-        if not isinstance(field, _Field):
+        if not isinstance(field, SettingField):
             continue
         value = getattr(config, field.name)
         allowed = choices(field.kind)
@@ -173,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser, config: type, skip: frozenset
         parser.add_argument(field.flag, dest=field.dest, default=argparse.SUPPRESS, **_argument(field))
 
 
-def _argument(field: _Field) -> dict[str, Any]:
+def _argument(field: SettingField) -> dict[str, Any]:
     meta = field.meta
     help_text = meta.help
     shown = meta.shown_default
@@ -200,19 +200,17 @@ def _argument(field: _Field) -> dict[str, Any]:
     return kwargs
 
 
-def from_args(config: type[T], args: argparse.Namespace, **fixed: Any) -> T:
-    """The config that the parsed flags describe; fixed gives fields their values whatever the flags say.
+def from_args(config: type[T], args: argparse.Namespace) -> T:
+    """The config that the parsed flags describe, with its defaults for the flags not given.
 
     Raises ValueError (or OSError, from reading a file) with a message fit for a usage error.
     """
     values: dict[str, Any] = {}
     for item in _fields(config):
-        if not isinstance(item, _Field):
+        if not isinstance(item, SettingField):
             values[item[0]] = from_args(item[1], args)
             continue
-        if item.name in fixed:
-            values[item.name] = fixed[item.name]
-        elif hasattr(args, item.dest):
+        if hasattr(args, item.dest):
             raw = getattr(args, item.dest)
             if item.meta.convert is not None:
                 try:

@@ -9,7 +9,8 @@ import pytest
 
 from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
-from tests.procs import KVAgent, internal_channel, start_daemon
+from tests.clients import internal_channel
+from tests.procs import KVAgent, start_daemon
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
 

@@ -16,8 +16,9 @@ import pytest
 from memory_daemon.stats import PoolCounts
 from memory_daemon.wire import counts_from_pb, shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from tests.clients import internal_channel
 from tests.integration.kv_agent import SHAPE
-from tests.procs import DaemonProcess, KVAgent, free_port, internal_channel, start_daemon
+from tests.procs import DaemonProcess, KVAgent, free_port, start_daemon
 from tests.waiting import wait_until
 
 

@@ -24,7 +24,8 @@ from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import REPO, Stack, every_page_accounted, internal_channel, start_stack
+from tests.clients import every_page_accounted, internal_channel
+from tests.procs import REPO, Stack, start_stack
 from tests.waiting import wait_until
 
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}

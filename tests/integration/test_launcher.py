@@ -19,17 +19,9 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
+from tests.clients import Scrape, internal_channel
 from tests.models import make_model
-from tests.procs import (
-    Scrape,
-    Stack,
-    free_port,
-    internal_channel,
-    launch_stack,
-    module_stack,
-    start_service,
-    start_stack,
-)
+from tests.procs import Stack, free_port, launch_stack, module_stack, start_service, start_stack
 from tests.waiting import wait_until
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}

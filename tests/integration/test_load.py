@@ -12,8 +12,9 @@ from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
+from tests.clients import every_page_accounted, internal_channel
 from tests.models import make_model
-from tests.procs import every_page_accounted, internal_channel, start_stack
+from tests.procs import start_stack
 
 STREAMS = 1000
 TOKENS = 8

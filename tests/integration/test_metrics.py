@@ -16,7 +16,8 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import Scrape, Stack, module_stack, start_stack
+from tests.clients import Scrape
+from tests.procs import Stack, module_stack, start_stack
 from tests.waiting import wait_until
 
 PAGE_SIZE = 16  # the launcher's default

@@ -29,17 +29,9 @@ from services.client import Client, generate_request
 from services.common.default_model import default_model_dir
 from services.frontend.config import FrontendConfig
 from services.worker.config import WorkerConfig
+from tests.clients import internal_channel
 from tests.integration.kv_agent import SHAPE
-from tests.procs import (
-    REPO,
-    SECRET,
-    DaemonProcess,
-    Stack,
-    free_port,
-    internal_channel,
-    start_daemon,
-    start_stack,
-)
+from tests.procs import REPO, SECRET, DaemonProcess, Stack, free_port, start_daemon, start_stack
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 SERVICE = "pagedserve.v1.Generation"

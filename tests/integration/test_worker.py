@@ -20,15 +20,8 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
 from services.common.wire import sampling_to_pb
-from tests.procs import (
-    DaemonProcess,
-    ServiceProcess,
-    every_page_accounted,
-    internal_channel,
-    pool_counts,
-    start_daemon,
-    start_worker,
-)
+from tests.clients import every_page_accounted, internal_channel, pool_counts
+from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
 from tests.waiting import wait_until
 
 Reason = generation_pb2.GenerateResponse.FinishReason
@@ -205,9 +198,8 @@ def test_bad_submits_get_errors_and_the_worker_keeps_serving(
     for request_id, (_, _, message) in cases.items():
         (output,) = outputs[request_id]
         assert output.finish_reason == Reason.ABORT and message in output.error, output.error
-        exhausted = (
-            request_id == "too-big-for-the-pool"
-        )  # no retry can help the rest either, but more memory can
+        # A prompt over the context or past the pool: no retry helps, but a shorter prompt or more memory can.
+        exhausted = request_id in ("too-long", "too-big-for-the-pool")
         expected = grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.INVALID_ARGUMENT
         assert output.error_code == expected.value[0], output
     stream.submit("fine", chat(tokenizer, "Hi"), good)

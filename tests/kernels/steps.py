@@ -81,3 +81,12 @@ def llama_spec(head_dim: int, max_positions: int = 64) -> ModelSpec:
         max_position_embeddings=max_positions,
     )
     return ModelSpec.from_hf(config)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def generator(seed: int) -> torch.Generator:
+    """A seeded CPU generator: every test draws fresh random inputs from one."""
+    return torch.Generator().manual_seed(seed)

@@ -1,4 +1,5 @@
-"""TorchBackend, the torch reference kernels, against straightforward float64 implementations written here.
+"""TorchBackend's KV write and paged attention against straightforward float64 implementations
+(tests/kernels/references.py).
 
 Every input is fresh random data from a seeded generator. The pool is filled with random values (never
 zeros), each sequence owns random distinct pages (never the null page 0), and the references read K and V
@@ -8,170 +9,36 @@ read, it holds NaN.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels import TorchBackend
 from kernels.torch_ref import GROUP_COST_SLOTS, group_by_length
-from services.worker.models.llama import rotary_table
-from tests.kernels.steps import Chunk, llama_spec, make_metadata
-
-PAGE_SIZES = (8, 16, 32)
-HEAD_DIMS = (16, 64, 128)
-GROUPS = (1, 3, 4)  # query heads per KV head
-DTYPES = (torch.float32, torch.bfloat16)
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # of the expected output's scale
-KV_HEADS = 2
-NUM_PAGES = 40  # page 0 is the null page; every test leaves some pages unowned
-EPS = 1e-6
-BACKEND = TorchBackend()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-ATTENTION_CASES = list(itertools.product(PAGE_SIZES, HEAD_DIMS, GROUPS, DTYPES))
-ATTENTION_IDS = [f"B{b}-D{d}-G{g}-{dtype_name(t)}" for b, d, g, t in ATTENTION_CASES]
-
-
-# Inputs -------------------------------------------------------------------------------------------------
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def random_pool(
-    gen: torch.Generator, page_size: int, head_dim: int, dtype: torch.dtype, layers: int = 1
-) -> torch.Tensor:
-    """A pool [layers, 2, P, B, Hkv, D] of random values."""
-    shape = (layers, 2, NUM_PAGES, page_size, KV_HEADS, head_dim)
-    return torch.randn(shape, generator=gen).to(dtype)
-
-
-def random_tables(gen: torch.Generator, lengths: Sequence[int], page_size: int) -> list[tuple[int, ...]]:
-    """Block tables for sequences of these lengths: distinct pages in random order, never page 0."""
-    order = (torch.randperm(NUM_PAGES - 1, generator=gen) + 1).tolist()
-    tables, used = [], 0
-    for length in lengths:
-        count = -(-length // page_size)
-        tables.append(tuple(order[used : used + count]))
-        used += count
-    assert used <= len(order), "NUM_PAGES is too small for this test"
-    return tables
-
-
-def fused_qkv(
-    gen: torch.Generator, tokens: int, q_heads: int, head_dim: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k and v [T, Hkv, D]: non-contiguous views of one fused projection, as in the model."""
-    widths = [q_heads * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim]
-    qkv = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
-    q, k, v = qkv.split(widths, dim=-1)
-    return (
-        q.view(tokens, q_heads, head_dim),
-        k.view(tokens, KV_HEADS, head_dim),
-        v.view(tokens, KV_HEADS, head_dim),
-    )
-
-
-def _long(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def poison_slots(kv_layer: torch.Tensor, pages: Sequence[int], positions: Sequence[int] | range) -> None:
-    """NaN into the K and V of these positions of a sequence whose block table is `pages`."""
-    page_size = kv_layer.shape[2]
-    for p in positions:
-        kv_layer[:, pages[p // page_size], p % page_size] = float("nan")
-
-
-def poison_pages(kv_layer: torch.Tensor, pages: Sequence[int]) -> None:
-    kv_layer[:, list(pages)] = float("nan")
-
-
-def unowned_pages(tables: Sequence[Sequence[int]]) -> list[int]:
-    """Every page but the null page and the ones in these block tables."""
-    owned = {page for table in tables for page in table}
-    return [page for page in range(1, NUM_PAGES) if page not in owned]
-
-
-# References ---------------------------------------------------------------------------------------------
-
-
-def gather_kv(kv_layer: torch.Tensor, pages: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a sequence's first `length` tokens, [length, Hkv, D] in float64, read slot by slot."""
-    page_size = kv_layer.shape[2]
-    page_of = _long([pages[t // page_size] for t in range(length)])
-    offset = _long([t % page_size for t in range(length)])
-    kv = kv_layer[:, page_of, offset].double()  # [2, length, Hkv, D]
-    return kv[0], kv[1]
-
-
-def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int] | range, scale: float
-) -> torch.Tensor:
-    """q [n, Hq, D] at these positions, k and v [L, Hkv, D]: each query attends to keys 0..its position.
-
-    Query head h reads KV head h // (Hq / Hkv). Returns float64 [n, Hq, D].
-    """
-    group = q.shape[1] // k.shape[1]
-    q, k, v = q.double(), k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, position in enumerate(positions):
-        scores = torch.einsum("hd,lhd->hl", q[i], k[: position + 1]) * scale
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[: position + 1])
-    return out
-
-
-def chunk_reference(
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    kv_before: torch.Tensor,
-    chunks: Sequence[Chunk],
-    scale: float,
-) -> torch.Tensor:
-    """Each chunk's attention over its prefix, read from the pool as it was before the step, and over the
-    new K and V it brings (rows of q, k_new, v_new in chunk order)."""
-    outputs, row = [], 0
-    for chunk in chunks:
-        rows = slice(row, row + chunk.count)
-        k_prefix, v_prefix = gather_kv(kv_before, chunk.pages, chunk.start)
-        k = torch.cat((k_prefix, k_new[rows].double()))
-        v = torch.cat((v_prefix, v_new[rows].double()))
-        outputs.append(attention_reference(q[rows], k, v, chunk.positions, scale))
-        row += chunk.count
-    return torch.cat(outputs)
-
-
-def rotary_reference(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation of x [T, H, D] by cos_sin [T, 2, D] (each position's row), in float64."""
-    half = x.shape[-1] // 2
-    x = x.double()
-    cos, sin = cos_sin[:, 0, None].double(), cos_sin[:, 1, None].double()  # [T, 1, D]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat(
-        (x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), dim=-1
-    )
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    """Within TOLERANCE[dtype] of the expected values' scale (their largest magnitude, at least 1)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    has_nan = bool(actual.isnan().any())
-    assert not has_nan, f"{what}: NaN in the output"
-    scale = max(expected.abs().max().item(), 1.0)
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= TOLERANCE[dtype] * scale, (
-        f"{what}: max error {error:.3g} > {TOLERANCE[dtype]} x {scale:.3g}"
-    )
-
+from tests.kernels.references import (
+    ATTENTION_CASES,
+    ATTENTION_IDS,
+    BACKEND,
+    DTYPES,
+    GROUPS,
+    HEAD_DIMS,
+    KV_HEADS,
+    NUM_PAGES,
+    PAGE_SIZES,
+    _long,
+    assert_close,
+    attention_reference,
+    chunk_reference,
+    dtype_name,
+    fused_qkv,
+    gather_kv,
+    poison_pages,
+    poison_slots,
+    random_pool,
+    random_tables,
+    unowned_pages,
+)
+from tests.kernels.steps import Chunk, generator, make_metadata
 
 # write_kv -----------------------------------------------------------------------------------------------
 
@@ -378,121 +245,3 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(page_size: int, group: int, d
     out = BACKEND.paged_attention(q, kv_layer, meta, scale)
 
     assert_close(out, chunk_reference(q, k, v, kv_before, [*decodes, *chunks], scale), dtype)
-
-
-# RMSNorm ------------------------------------------------------------------------------------------------
-
-NORM_SHAPES = [(7, 96), (5, 1000), (6, 4, 16), (3, 5, 128)]  # [T, H], and [T, heads, D] per-head norms
-
-
-def norm_inputs(
-    shape: tuple[int, ...], dtype: torch.dtype, with_residual: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    gen = generator(8)
-    x = torch.randn(shape, generator=gen).to(dtype)
-    weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=gen)).to(dtype)
-    residual = torch.randn(shape, generator=gen).to(dtype) if with_residual else None
-    return x, weight, residual
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
-def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, with_residual: bool) -> None:
-    x, weight, residual = norm_inputs(shape, dtype, with_residual)
-    summed = x if residual is None else x + residual
-    x_before = x.clone()
-
-    normed, new_residual = BACKEND.rms_norm(x, weight, EPS, residual)
-
-    assert torch.equal(new_residual, summed), "the new residual must be x + residual"
-    assert torch.equal(x, x_before), "x changed"
-    # transformers' rounding: the norm in float, the normalized value in the model dtype, then the weight.
-    s = summed.double()
-    unit = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype).double()
-    assert normed.dtype == dtype
-    assert_close(normed, weight.double() * unit, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
-def test_rms_norm_is_transformers_bit_for_bit(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    x, weight, residual = norm_inputs(shape, dtype, with_residual=True)
-    assert residual is not None
-    module = LlamaRMSNorm(shape[-1], eps=EPS).to(dtype)
-    with torch.no_grad():
-        module.weight.copy_(weight)
-        expected = module(residual + x)
-
-    normed, _ = BACKEND.rms_norm(x, weight, EPS, residual)
-
-    assert torch.equal(normed, expected)
-
-
-# Rotary -------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_rotary_table_holds_cos_and_sin_of_each_position(head_dim: int) -> None:
-    spec = llama_spec(head_dim)
-    table = rotary_table(spec, torch.device("cpu"), torch.float32)
-    positions = torch.arange(spec.max_model_len, dtype=torch.float64)[:, None]
-    pair = torch.arange(head_dim, dtype=torch.float64) % (head_dim // 2)  # both halves repeat the pairs
-    angles = positions * 10000.0 ** (-2 * pair / head_dim)
-    assert table.shape == (spec.max_model_len, 2, head_dim)
-    # transformers rounds position x frequency to float32: an angle of up to 63 is off by up to ~4e-6.
-    torch.testing.assert_close(table[:, 0].double(), angles.cos(), rtol=0, atol=2e-5)
-    torch.testing.assert_close(table[:, 1].double(), angles.sin(), rtol=0, atol=2e-5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_rotary(head_dim: int, group: int, dtype: torch.dtype) -> None:
-    gen = generator(9)
-    spec = llama_spec(head_dim)
-    cos_sin = rotary_table(spec, torch.device("cpu"), dtype)
-    tokens = 11
-    positions = torch.randint(0, spec.max_model_len, (tokens,), generator=gen)  # any order, repeats too
-    q, k, _ = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype)
-    expected_q = rotary_reference(q, cos_sin[positions])
-    expected_k = rotary_reference(k, cos_sin[positions])
-
-    q_out, k_out = BACKEND.rotary(q, k, positions, cos_sin)
-
-    assert q_out.dtype == k_out.dtype == dtype
-    assert_close(q_out, expected_q, dtype, "q")
-    assert_close(k_out, expected_k, dtype, "k")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_rotary_is_transformers_bit_for_bit(dtype: torch.dtype) -> None:
-    gen = generator(10)
-    head_dim, tokens = 64, 9
-    spec = llama_spec(head_dim)
-    positions = torch.randint(0, spec.max_model_len, (tokens,), generator=gen)
-    q, k, _ = fused_qkv(gen, tokens, 3 * KV_HEADS, head_dim, dtype)
-    cos, sin = LlamaRotaryEmbedding(spec.hf_config)(q, positions[None])  # [1, T, D] each
-    # transformers' layout is [batch, heads, T, D]
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-
-    q_out, k_out = BACKEND.rotary(q, k, positions, rotary_table(spec, torch.device("cpu"), dtype))
-
-    assert torch.equal(q_out, hf_q[0].transpose(0, 1))
-    assert torch.equal(k_out, hf_k[0].transpose(0, 1))
-
-
-# SiLU and mul -------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("inner", [16, 1000])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_silu_and_mul(dtype: torch.dtype, inner: int) -> None:
-    gen = generator(11)
-    x = (3 * torch.randn(6, 2 * inner, generator=gen)).to(dtype)
-    gate, up = x.double()[:, :inner], x.double()[:, inner:]
-
-    out = BACKEND.silu_and_mul(x)
-
-    assert out.shape == (6, inner) and out.dtype == dtype
-    assert_close(out, gate / (1 + torch.exp(-gate)) * up, dtype)

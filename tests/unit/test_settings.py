@@ -98,7 +98,7 @@ def test_the_secret_comes_from_its_file_or_the_environment(
 
 def test_the_dtype_and_device_choices_are_written_once() -> None:
     dtype = next(f for f in settings.settings_of(WorkerConfig) if f.name == "dtype")
-    assert settings.choices(dtype.kind) == ("auto", "float32", "bfloat16", "float16")
+    assert settings.choices(dtype.kind) == ("auto", "float32", "float16", "bfloat16")
 
 
 # `pagedserve up` -----------------------------------------------------------------------------------------

@@ -118,5 +118,5 @@ def test_a_shape_of_zero_pages_size_takes_the_default_and_a_bad_one_is_refused()
         ).page_size
         == 16
     )
-    with pytest.raises(InvalidArgument, match="dtype must be one of float32, bfloat16, float16"):
+    with pytest.raises(InvalidArgument, match="dtype must be one of float32, float16, bfloat16"):
         shape_from_pb(memory_pb2.PoolShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype="int8"))

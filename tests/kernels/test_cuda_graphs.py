@@ -1,0 +1,94 @@
+"""CUDA graphs of the decode step over the CUDA kernels: a replay matches the eager forward and writes
+only this step's KV slots.
+
+Needs a CUDA device and CuPy; skipped without them. The `backend` fixture is in tests/kernels/conftest.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cupy_backend import CupyBackend
+from services.common.sampling import SamplingOptions
+from services.worker.core.batch import build_batch
+from services.worker.core.cuda_graphs import DecodeGraphs
+from services.worker.core.scheduler import ScheduledSeq
+from services.worker.core.sequence import Sequence
+from services.worker.models import CausalLM
+from tests.kernels.cases import DEVICE, assert_close, dtype_name, generator, randn, random_tables
+from tests.models import make_model
+
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
+
+
+# CUDA graphs --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def graph_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Head dim 64 over 2 KV heads, which the kernels take; a context of 2048 tokens, so that the graphs'
+    # decode bound spans four partitions.
+    return make_model(
+        "llama",
+        tmp_path_factory.mktemp("graph-model"),
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+    )
+
+
+def decode_item(gen: torch.Generator, key: int, length: int, pages: Seq[int], vocab: int) -> ScheduledSeq:
+    """A running sequence of `length` tokens, all but the last one cached: its step is a decode."""
+    tokens = torch.randint(3, vocab, (length,), generator=gen).tolist()
+    seq = Sequence(key, tokens, length, SamplingOptions(), 0, key, pages=list(pages), num_computed=length - 1)
+    return ScheduledSeq(seq, length - 1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
+def test_decode_graphs_replay_the_eager_forward(
+    backend: CupyBackend, graph_model_dir: Path, dtype: torch.dtype
+) -> None:
+    page_size = 16
+    model = CausalLM.from_pretrained(graph_model_dir, dtype=dtype, device=DEVICE, backend=backend)
+    spec = model.spec
+    part = backend.tuning.partition_size
+    # 3 sequences run on the graph of 4 (one padding row); then 4 other sequences on the same graph.
+    batches = [[part + 1, 1, 2 * part + 37], [17, spec.max_model_len, part, 3]]
+    gen = generator(11)
+    tables, num_pages = random_tables(gen, [n for lengths in batches for n in lengths], page_size)
+    shape = (spec.num_layers, 2, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    guard = 4096  # elements before the pool: a write to a negative slot of layer 0 lands here
+    storage = randn(gen, guard + math.prod(shape), dtype=dtype)
+    pool = storage[guard:].view(shape)
+    storage_before = storage.clone()
+    graphs = DecodeGraphs(model, pool, max_batch=4, page_size=page_size)
+    graphs.capture()
+    assert torch.equal(storage, storage_before), "capturing (padding rows only) wrote into the pool"
+
+    pages = iter(tables)
+    for lengths in batches:
+        items = [decode_item(gen, key, n, next(pages), spec.vocab_size) for key, n in enumerate(lengths)]
+        batch = build_batch(items, page_size, DEVICE)
+        eager = model.forward(batch.input_ids, batch.positions, batch.meta, pool, batch.logits_indices)
+        pool_before = pool.clone()
+
+        replayed = graphs.run(batch)
+
+        assert replayed is not None, "a decode batch within the largest graph replays"
+        assert_close(replayed, eager, dtype, f"logits of the batch of lengths {lengths}")
+        flat = pool.view(*shape[:2], -1, *shape[4:])  # [L, 2, P * B, Hkv, D]
+        untouched = torch.ones(flat.shape[2], dtype=torch.bool, device=DEVICE)
+        untouched[batch.meta.slot_mapping] = False
+        assert torch.equal(flat[:, :, untouched], pool_before.view_as(flat)[:, :, untouched]), (
+            "the replay wrote outside this step's slots"
+        )
+    assert torch.equal(storage[:guard], storage_before[:guard]), (
+        "a padding row (slot -1) wrote before the pool"
+    )
