@@ -11,6 +11,6 @@ Attach stream: when the stream ends, a crash included, its pages come back, whil
 published stay cached for the next worker.
 
 Modules: `shape` (pool geometry), `ledger` (page accounting), `prefix` (hash chain and LRU index),
-`refill` (pre-allocation from history), `stats`, `export` (shm and CUDA IPC, both sides), `pool`,
-`service` (the gRPC servicer), `config` and `server` (the process).
+`publishers` (who published each cached page), `refill` (pre-allocation from history), `stats`, `export`
+(shm and CUDA IPC, both sides), `pool`, `service` (the gRPC servicer), `config` and `server` (the process).
 """

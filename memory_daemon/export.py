@@ -1,9 +1,13 @@
 """A pool's memory: allocated and exported by the daemon, mapped zero-copy by workers.
 
 CPU: the pool is a file in /dev/shm, reserved with posix_fallocate so that a full /dev/shm fails at
-registration and not as a SIGBUS mid-decode. Workers map it with torch.from_file(shared=True), a plain
-shared mmap. Nothing here uses multiprocessing.shared_memory, whose resource_tracker unlinks a segment when
-any process that attached to it exits.
+registration and not as a SIGBUS mid-decode. Workers map it with a plain shared mmap. Nothing here uses
+multiprocessing.shared_memory, whose resource_tracker unlinks a segment when any process that attached to
+it exits. A worker trusts the path the daemon sends no further than it can check (`open_pool_file`): a pool
+file lies under the worker's --shm-dir, has a pool file's name, is a regular file (never followed through a
+symlink) with one link, belongs to the worker's own user (the daemon runs as that user), has mode 0600,
+and has exactly the descriptor's size. Anything else is refused before a byte is mapped, and a worker never
+resizes the file.
 
 CUDA: the pool is one plain cudaMalloc through CuPy's runtime API: not CuPy's memory pool, which
 sub-allocates, and never managed or VMM memory, which cudaIpcGetMemHandle cannot export. The handle
@@ -16,14 +20,16 @@ The daemon side never imports torch; the worker side (`map_pool`) does.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from memory_daemon.shape import PoolShape
-from pagedserve.plumbing.errors import ResourceExhausted
+from pagedserve.plumbing.errors import PermissionDenied, ResourceExhausted
 from pagedserve.plumbing.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SHM_NAME = re.compile(r"^pagedserve-kv-(\d+)-(\d+)\.bin$")
+SHM_DIR = "/dev/shm"  # where CPU pools live unless --shm-dir says otherwise
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,12 @@ def remove_stale_files(folder: Path) -> list[Path]:
     removed = []
     for path in folder.glob("pagedserve-kv-*.bin"):
         match = _SHM_NAME.match(path.name)
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):
+            continue  # another user's, or not a pool file at all: not ours to remove
         if match and not _pid_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
@@ -150,18 +163,66 @@ def cuda_device_uuid(device_index: int) -> str:
     return f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
 
 
-def map_pool(descriptor: PoolDescriptor) -> torch.Tensor:
-    """Map an exported pool as [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], zero-copy."""
+def map_pool(descriptor: PoolDescriptor, shm_dir: str | Path = SHM_DIR) -> torch.Tensor:
+    """Map an exported pool as [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim], zero-copy.
+
+    A CPU pool's file must lie under shm_dir; PermissionDenied names what is wrong with one that does not
+    pass `open_pool_file`'s checks.
+    """
     import torch
 
     shape = descriptor.shape
     dtype = getattr(torch, shape.dtype)
     dims = shape.tensor_shape(descriptor.num_pages)
     handle = descriptor.handle
+    if descriptor.num_pages < 1 or descriptor.nbytes != descriptor.num_pages * shape.page_bytes:
+        raise PermissionDenied(
+            f"refusing the pool: {descriptor.num_pages} pages of {shape} are not {descriptor.nbytes} bytes"
+        )
     if isinstance(handle, ShmHandle):
-        numel = descriptor.nbytes // shape.itemsize
-        return torch.from_file(handle.path, shared=True, size=numel, dtype=dtype).view(dims)
+        mapped = open_pool_file(handle.path, descriptor.nbytes, shm_dir)
+        return torch.frombuffer(mapped, dtype=dtype).view(dims)
     return _map_cuda(handle, descriptor.nbytes).view(dtype).view(dims)
+
+
+def open_pool_file(path: str, nbytes: int, shm_dir: str | Path = SHM_DIR) -> mmap.mmap:
+    """A shared, writable mapping of exactly nbytes of the pool file at path, once it passed every check."""
+    why = f"refusing the pool file {path}"
+    folder, name = os.path.split(path)
+    root = os.path.realpath(shm_dir)
+    real_folder = os.path.realpath(folder or ".")
+    if not os.path.isabs(path) or os.path.commonpath([root, real_folder]) != root:
+        raise PermissionDenied(f"{why}: it is not under {shm_dir} (--shm-dir), where pools live")
+    if not _SHM_NAME.match(name):
+        raise PermissionDenied(f"{why}: a pool file's name is pagedserve-kv-PID-ID.bin")
+    dir_fd = os.open(real_folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as exc:
+        raise PermissionDenied(f"{why}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    try:
+        problem = _pool_file_problem(os.fstat(fd), nbytes)
+        if problem is not None:
+            raise PermissionDenied(f"{why}: {problem}")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _pool_file_problem(info: os.stat_result, nbytes: int) -> str | None:
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_nlink != 1:
+        return f"it has {info.st_nlink} names (hard links); a pool file has one"
+    if info.st_uid != os.geteuid():
+        return f"it belongs to uid {info.st_uid}; the daemon and its workers run as one user ({os.geteuid()})"
+    if stat.S_IMODE(info.st_mode) != 0o600:
+        return f"its mode is {stat.S_IMODE(info.st_mode):o}, not 600"
+    if info.st_size != nbytes:
+        return f"it holds {info.st_size} bytes, not the pool's {nbytes}"
+    return None
 
 
 def _map_cuda(ipc: CudaHandle, nbytes: int) -> torch.Tensor:

@@ -9,6 +9,9 @@ Every usable page is in exactly one state:
   key was already cached by another page).
 Page 0 is the null page: never leased, so block tables can pad with it.
 
+Each indexed page's publisher is recorded (`publishers`), so that `drop_published` can take every entry
+of one worker out of the index, also after it went away.
+
 `update` and `grant` check a whole request before changing anything, so bad input changes nothing and the
 counts stay exact. Misuse raises InvalidArgument, PermissionDenied or FailedPrecondition (the checks are in
 `checks`) with a message naming the page and the fix; "no room now" is None, not an error.
@@ -24,6 +27,7 @@ from collections.abc import Callable, Sequence
 from memory_daemon.checks import RequestChecks
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
 from memory_daemon.prefix import PrefixIndex
+from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
 from memory_daemon.stats import PoolCounts
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument
@@ -45,6 +49,7 @@ class PageLedger(RequestChecks):
         self.num_pages = num_pages
         self.low_watermark = low_watermark
         self.index = PrefixIndex()
+        self.publishers = Publishers()
         self.leases: dict[str, Lease] = {}
         self._refill = refill or RefillSettings()
         self._clock = clock
@@ -176,7 +181,9 @@ class PageLedger(RequestChecks):
             self._state[page] = PageState.SHARED
             self._refs[page] = 1
             lease.refs[page] += 1
-            indexed += self.index.add(lease.model_id, key, page)
+            if self.index.add(lease.model_id, key, page):
+                self.publishers.record(page, lease)
+                indexed += 1
         for page, count in Counter(unref).items():
             self._drop_refs(lease, page, count)
         for page in release:
@@ -205,6 +212,19 @@ class PageLedger(RequestChecks):
         self.prefix_hit_pages += len(pages)
         return pages
 
+    def drop_published(self, *, worker_id: int = 0, name: str = "") -> int:
+        """Take every page the lease with worker_id (or every lease named name) published out of the index;
+        returns how many. Idle ones go free now, referenced ones when their last reference drops."""
+        if not (worker_id or name):
+            raise InvalidArgument("name the publisher whose pages to drop: its worker_id or its name")
+        pages = self.publishers.pages_of(worker_id=worker_id, name=name)
+        for page in pages:
+            self.index.remove(page)
+            self.publishers.forget(page)
+            if self._refs[page] == 0:
+                self._free_page(page)
+        return len(pages)
+
     # Statistics ------------------------------------------------------------------------------------
 
     def counts(self) -> PoolCounts:
@@ -222,6 +242,7 @@ class PageLedger(RequestChecks):
             prefix_queried_pages=self.prefix_queried_pages,
             prefix_hit_pages=self.prefix_hit_pages,
             workers=tuple(lease.usage() for lease in self.leases.values()),
+            publishers=self.publishers.usage(),
         )
 
     def check_invariants(self) -> None:
@@ -243,6 +264,7 @@ class PageLedger(RequestChecks):
                 assert self._refs[page] > 0 or page in self.index
             else:
                 assert self._refs[page] == 0 and page not in self.index and held[page] == 0
+            assert (page in self.index) == (page in self.publishers), page
 
     # Internals -------------------------------------------------------------------------------------
 
@@ -267,5 +289,6 @@ class PageLedger(RequestChecks):
             page = self.index.evict_oldest()
             if page is None:
                 return
+            self.publishers.forget(page)
             self._free_page(page)
             self.evictions += 1

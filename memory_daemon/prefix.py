@@ -12,9 +12,16 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-ROOT_KEY = b""
+ROOT_KEY = b""  # the chain's parent for an unsalted prompt
 KEY_BYTES = 16
 MAX_KEY_BYTES = 64
+
+
+def salted_root(salt: str) -> bytes:
+    """The chain's parent for a request's cache salt: salted chains never meet unsalted ones or each other."""
+    if not salt:
+        return ROOT_KEY
+    return hashlib.blake2b(salt.encode(), digest_size=KEY_BYTES, person=b"pagedserve-salt").digest()
 
 
 def page_keys(token_ids: Sequence[int], page_size: int, parent: bytes = ROOT_KEY) -> list[bytes]:
@@ -72,3 +79,8 @@ class PrefixIndex:
         page, _ = self._idle.popitem(last=False)
         del self._page_by_key[self._key_by_page.pop(page)]
         return page
+
+    def remove(self, page: int) -> None:
+        """Drop an indexed page from the index (and from the idle order): no lookup finds it again."""
+        self._idle.pop(page, None)
+        del self._page_by_key[self._key_by_page.pop(page)]

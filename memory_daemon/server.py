@@ -11,8 +11,9 @@ from memory_daemon.export import remove_stale_files
 from memory_daemon.metrics import start_metrics
 from memory_daemon.service import SERVICE_NAME, MemoryDaemonService
 from pagedserve.memory.v1 import memory_pb2_grpc
-from pagedserve.plumbing.auth import secret_interceptor
+from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
+from pagedserve.plumbing.private import restrict_socket
 from pagedserve.plumbing.rpc import start_server, stop_signal
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ async def serve(config: DaemonConfig) -> None:
         [SERVICE_NAME],
         interceptors=secret_interceptor(config.secret, config.address),
     )
+    restrict_socket(running.address)
     stop = stop_signal()
     log.info("memory daemon serving on %s, device %s", running.address, config.device)
     try:
@@ -45,6 +47,7 @@ async def serve(config: DaemonConfig) -> None:
 
 
 def run(config: DaemonConfig) -> int:
+    check_serving_address("pagedserve daemon", config.secret, config.address)
     setup_logging("daemon", config.log_level)
     asyncio.run(serve(config))
     return 0

@@ -111,6 +111,24 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     ) -> memory_pb2.DaemonStats:
         return memory_pb2.DaemonStats(pools=[pool_stats_to_pb(pool) for pool in self._pools.values()])
 
+    async def DropPublished(
+        self, request: memory_pb2.DropPublishedRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.DropPublishedResponse:
+        if request.WhichOneof("publisher") is None:
+            raise InvalidArgument("name the publisher whose pages to drop: worker_name, or worker_id")
+        pools = [pool for pool in self._pools.values() if request.pool_id in (0, pool.pool_id)]
+        if request.pool_id and not pools:
+            raise NotFound(f"there is no pool {request.pool_id}; GetStats lists the pools")
+        if request.WhichOneof("publisher") == "worker_id" and not request.pool_id and len(pools) > 1:
+            raise InvalidArgument("worker ids are per pool: name the pool_id too, or use worker_name")
+        dropped = sum(
+            pool.ledger.drop_published(worker_id=request.worker_id, name=request.worker_name)
+            for pool in pools
+        )
+        who = f"worker id {request.worker_id}" if request.worker_id else f"worker {request.worker_name!r}"
+        log.warning("dropped %d cached pages published by %s, on request", dropped, who)
+        return memory_pb2.DropPublishedResponse(pages=dropped)
+
     def pool_counts(self) -> list[tuple[int, PoolCounts]]:
         """Every pool's id and counts (call on the daemon's event loop, like any handler)."""
         return [(pool.pool_id, pool.ledger.counts()) for pool in self._pools.values()]

@@ -17,6 +17,16 @@ class WorkerUsage:
 
 
 @dataclass(frozen=True)
+class PublisherUsage:
+    """A worker whose published pages are still in the prefix index, attached or gone."""
+
+    worker_id: int
+    name: str
+    model_id: str
+    cached_pages: int
+
+
+@dataclass(frozen=True)
 class PoolCounts:
     """Page counts of one pool. Invariant: total = free + leased + shared; cached <= shared."""
 
@@ -32,6 +42,7 @@ class PoolCounts:
     prefix_queried_pages: int
     prefix_hit_pages: int
     workers: tuple[WorkerUsage, ...] = ()
+    publishers: tuple[PublisherUsage, ...] = ()
 
     @property
     def settled(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
 from memory_daemon.pool import Pool
 from memory_daemon.shape import DEFAULT_PAGE_SIZE, PoolShape
-from memory_daemon.stats import PoolCounts, WorkerUsage
+from memory_daemon.stats import PoolCounts, PublisherUsage, WorkerUsage
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.plumbing.messages import from_message, to_message
 
@@ -56,6 +56,7 @@ def pool_stats_to_pb(pool: Pool) -> memory_pb2.PoolStats:
         counts,
         memory_pb2.PoolStats,
         workers=[to_message(usage, memory_pb2.WorkerUsage) for usage in counts.workers],
+        publishers=[to_message(usage, memory_pb2.PublisherUsage) for usage in counts.publishers],
         pool_id=pool.pool_id,
         shape=shape_to_pb(pool.shape),
         storage=pool.storage.label,
@@ -63,4 +64,9 @@ def pool_stats_to_pb(pool: Pool) -> memory_pb2.PoolStats:
 
 
 def counts_from_pb(pb: memory_pb2.PoolStats) -> PoolCounts:
-    return from_message(PoolCounts, pb, workers=tuple(from_message(WorkerUsage, w) for w in pb.workers))
+    return from_message(
+        PoolCounts,
+        pb,
+        workers=tuple(from_message(WorkerUsage, w) for w in pb.workers),
+        publishers=tuple(from_message(PublisherUsage, p) for p in pb.publishers),
+    )

@@ -1,7 +1,9 @@
 """`pagedserve up`: the daemon, the workers and the frontend as separate OS processes on this machine.
 
 Internal services talk over unix sockets in a private run folder; only the frontend listens on TCP, with
-TLS and a bearer token if asked. The internal calls carry a shared secret made fresh for each run and handed
+TLS and a bearer token if asked. A --run-dir must be a real folder of this user's that no one else may
+enter (mode 0700), or not exist yet (then it is made so): other users must not be able to swap a socket
+or plant a symlink in it. The internal calls carry a shared secret made fresh for each run and handed
 to the children in their environment. Every flag of `pagedserve daemon`, `worker` and `frontend` works here
 too, except those `up` sets itself (addresses, names, metrics ports): it is declared once, in that process's
 config, and passed on to each child that has it (`--device` to the daemon and the workers, `--model` to the
@@ -30,14 +32,16 @@ import shutil
 import signal
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from memory_daemon.config import DaemonConfig
 from pagedserve.plumbing import settings
 from pagedserve.plumbing.auth import SECRET_ENV
+from pagedserve.plumbing.errors import PermissionDenied
 from pagedserve.plumbing.metrics import METRICS_HOST, metrics_url
+from pagedserve.plumbing.private import private_folder, write_private_file
 from pagedserve.plumbing.settings import positive, setting, tcp_port
 from services.frontend.config import FrontendConfig
 from services.launcher import ChildDied, Interrupted, Launcher
@@ -58,7 +62,9 @@ class StackConfig:
     host: str = setting("127.0.0.1", "the frontend's host")
     port: int = setting(50051, "the frontend's port; 0 picks a free one", check=tcp_port)
     workers: int = setting(1, "compute workers sharing the pool", check=positive)
-    run_dir: str | None = setting(None, "where the internal unix sockets go (default: a new temp dir)")
+    run_dir: str | None = setting(
+        None, "a private folder (0700) for the internal unix sockets and endpoints.json (default: a new one)"
+    )
     restart: bool = setting(True, "start a child that dies again (at most 5 times a minute)")
     metrics: bool = setting(True, "each process serves Prometheus metrics on a free loopback port")
 
@@ -83,13 +89,21 @@ def configure(args: argparse.Namespace) -> Plan:
     for config in CHILDREN.values():
         settings.from_args(config, args)
     flags = {name: settings.given_flags(config, args, skip=MANAGED) for name, config in CHILDREN.items()}
-    return Plan(settings.from_args(StackConfig, args), flags)
+    stack = settings.from_args(StackConfig, args)
+    if stack.run_dir is not None:
+        try:
+            stack = replace(stack, run_dir=str(private_folder(stack.run_dir)))
+        except PermissionDenied as exc:
+            raise ValueError(
+                f"--run-dir {stack.run_dir}: {exc}; give a folder of your own (mode 0700)"
+            ) from None
+    return Plan(stack, flags)
 
 
 def run(plan: Plan) -> int:
     stack = plan.stack
+    # Checked by configure, or made private by mkdtemp.
     run_dir = Path(stack.run_dir) if stack.run_dir else Path(tempfile.mkdtemp(prefix="pagedserve-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
     # Every child inherits the run's shared secret; one already set in the environment is kept.
     env = {**os.environ, SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)}
     launcher = Launcher(run_dir, env)
@@ -159,10 +173,8 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
 
 
 def _write_json(path: Path, value: object) -> None:
-    """Write whole or not at all: a reader never sees half a file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=2) + "\n")
-    partial.replace(path)
+    """Write whole or not at all, through no symlink: a reader never sees half a file."""
+    write_private_file(path, json.dumps(value, indent=2) + "\n")
 
 
 def _free_port(host: str) -> int:

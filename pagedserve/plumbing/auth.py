@@ -7,18 +7,25 @@ $PAGEDSERVE_SECRET or --secret-file, never from the command line (where `ps` wou
 makes a fresh one per run and hands it to its children in their environment. The public frontend can
 require `authorization: Bearer <token>` instead. Health checks and reflection stay open: they reveal
 nothing, and orchestrators probe them without credentials.
+
+Without a secret, the daemon and a worker serve only on a unix socket in a private folder: a TCP port,
+loopback included, is open to every user of the machine (`check_serving_address`). A client sends the
+secret to a unix socket only once it has checked who listens there (`private.check_unix_peer`).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from pagedserve.plumbing.errors import PermissionDenied
+from pagedserve.plumbing.private import check_socket_folder, unix_socket_path
 from pagedserve.plumbing.settings import setting
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,32 @@ def secret_interceptor(secret: str | None, address: str) -> Sequence[grpc.aio.Se
             log.warning("no shared secret ($%s): anything that can reach %s may call it", SECRET_ENV, address)
         return ()
     return (CredentialInterceptor(SECRET_KEY, secret, f"the stack's shared secret (${SECRET_ENV})"),)
+
+
+def check_serving_address(prog: str, secret: str | None, address: str) -> None:
+    """Where an internal service (the daemon, a worker) may listen, else a one-line usage error (status 2).
+
+    Without a secret: only a unix socket in a private folder (made 0700 if missing), since every local user
+    can reach a TCP port. With one: TCP, or a unix socket in a folder that no other user can write, where
+    no one can swap the socket for theirs.
+    """
+    problem = None
+    if secret is None and unix_socket_path(address) is None:
+        problem = (
+            f"--address {address} is open to every user of this machine, and there is no shared secret: "
+            f"set ${SECRET_ENV} or --secret-file, or serve on a unix socket in a private folder "
+            "(--address unix:/path)"
+        )
+    else:
+        try:
+            check_socket_folder(address, private=secret is None)
+        except (PermissionDenied, OSError) as exc:
+            problem = f"--address {address}: {exc}"
+            if secret is None:
+                problem += "; without a shared secret the socket's folder must be private (mode 0700)"
+    if problem is not None:
+        print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def bearer_interceptor(token: str | None) -> Sequence[grpc.aio.ServerInterceptor]:

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from pagedserve.plumbing.errors import PermissionDenied
+from pagedserve.plumbing.private import check_unix_peer
 from pagedserve.plumbing.status import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -112,6 +114,18 @@ def wait_for_health(
                 last_error = f"{exc.code().name}: {exc.details()}"
             time.sleep(0.05)
     raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s: {last_error}")
+
+
+async def check_peer_before_secret(address: str) -> None:
+    """`private.check_unix_peer` for an asyncio client, before its first call carries the stack's secret.
+
+    A refusal comes as a PERMISSION_DENIED grpc.aio.AioRpcError, the way every other failure to reach a
+    server reaches a caller of an aio stub.
+    """
+    try:
+        await asyncio.to_thread(check_unix_peer, address)
+    except PermissionDenied as exc:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.PERMISSION_DENIED, details=exc.message) from None
 
 
 def stop_signal() -> asyncio.Event:

@@ -180,8 +180,20 @@ class WorkerUsage(_message.Message):
     refill_pages: int
     def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., model_id: _Optional[str] = ..., leased_pages: _Optional[int] = ..., idle_pages: _Optional[int] = ..., referenced_pages: _Optional[int] = ..., refill_pages: _Optional[int] = ...) -> None: ...
 
+class PublisherUsage(_message.Message):
+    __slots__ = ("worker_id", "name", "model_id", "cached_pages")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    name: str
+    model_id: str
+    cached_pages: int
+    def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., model_id: _Optional[str] = ..., cached_pages: _Optional[int] = ...) -> None: ...
+
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "shape", "total_pages", "free_pages", "leased_pages", "shared_pages", "cached_pages", "evictable_pages", "evictions", "prefix_lookups", "prefix_hits", "prefix_queried_pages", "prefix_hit_pages", "workers", "storage")
+    __slots__ = ("pool_id", "shape", "total_pages", "free_pages", "leased_pages", "shared_pages", "cached_pages", "evictable_pages", "evictions", "prefix_lookups", "prefix_hits", "prefix_queried_pages", "prefix_hit_pages", "workers", "storage", "publishers")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +209,7 @@ class PoolStats(_message.Message):
     PREFIX_HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHERS_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     shape: PoolShape
     total_pages: int
@@ -212,10 +225,27 @@ class PoolStats(_message.Message):
     prefix_hit_pages: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerUsage]
     storage: str
-    def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_queried_pages: _Optional[int] = ..., prefix_hit_pages: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerUsage, _Mapping]]] = ..., storage: _Optional[str] = ...) -> None: ...
+    publishers: _containers.RepeatedCompositeFieldContainer[PublisherUsage]
+    def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_queried_pages: _Optional[int] = ..., prefix_hit_pages: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerUsage, _Mapping]]] = ..., storage: _Optional[str] = ..., publishers: _Optional[_Iterable[_Union[PublisherUsage, _Mapping]]] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
     __slots__ = ("pools",)
     POOLS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
+
+class DropPublishedRequest(_message.Message):
+    __slots__ = ("worker_id", "worker_name", "pool_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    worker_name: str
+    pool_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., pool_id: _Optional[int] = ...) -> None: ...
+
+class DropPublishedResponse(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class MemoryDaemonStub:
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DaemonStats.FromString,
                 _registered_method=True)
+        self.DropPublished = channel.unary_unary(
+                '/pagedserve.memory.v1.MemoryDaemon/DropPublished',
+                request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryDaemonServicer:
@@ -97,6 +102,15 @@ class MemoryDaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropPublished(self, request, context):
+        """Takes every page one worker published out of the prefix index, whether it is still attached or not
+        (it published bad pages: a bug, a bad model build). Idle pages go free at once, pages in use when
+        their last reference drops. GetStats lists the publishers whose pages are cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryDaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +138,11 @@ def add_MemoryDaemonServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.GetStatsRequest.FromString,
                     response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DaemonStats.SerializeToString,
+            ),
+            'DropPublished': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPublished,
+                    request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedRequest.FromString,
+                    response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +280,33 @@ class MemoryDaemon:
             '/pagedserve.memory.v1.MemoryDaemon/GetStats',
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.GetStatsRequest.SerializeToString,
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.DaemonStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPublished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.memory.v1.MemoryDaemon/DropPublished',
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedRequest.SerializeToString,
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,10 @@ Three threads touch it. The engine thread allocates and frees locally and only c
 idle list is empty. A sender thread carries queued publishes, unrefs and releases in one Update at a time,
 merging whatever piled up while the previous call was in flight, and fetches refills ahead of need. A
 listener thread holds the Attach stream, which is the lease: it hands idle pages back when the daemon asks.
+
+The secret goes to a daemon on a unix socket only after `check_unix_peer` found this user (or root) behind
+it, and the pool the daemon names is mapped only if `map_pool` finds it under --shm-dir, a file this user
+made for it.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from memory_daemon.export import map_pool
+from memory_daemon.export import SHM_DIR, map_pool
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
 from memory_daemon.wire import counts_from_pb, descriptor_from_pb, shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.auth import secret_metadata
+from pagedserve.plumbing.errors import PermissionDenied, StatusError
+from pagedserve.plumbing.private import check_unix_peer
 from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from services.worker.kv.base import KVCache, PoolLost
 
@@ -77,8 +83,12 @@ class DaemonKVCache(KVCache):
         connect_timeout_s: float = 10.0,
         secret: str | None = None,
         on_lost: Callable[[], None] | None = None,
+        shm_dir: str = SHM_DIR,
     ) -> None:
-        """on_lost is called (from a background thread) if the daemon ends the lease: it went away."""
+        """on_lost is called (from a background thread) if the daemon ends the lease: it went away.
+
+        shm_dir: where the daemon's CPU pool files may lie; a pool elsewhere is refused.
+        """
         self.address = address
         self._metadata = secret_metadata(secret)
         self.rpc_counts: Counter[str] = Counter()  # calls made after Attach, by method
@@ -92,22 +102,11 @@ class DaemonKVCache(KVCache):
             num_pages=num_pages,
             memory_bytes=memory_bytes,
         )
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
-            self._attach = self._stub.Attach(request, metadata=self._metadata)
-            attached = next(self._attach).attached
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            raise DaemonError(
-                f"attach to {address}", grpc.StatusCode.UNAVAILABLE, f"no answer within {connect_timeout_s}s"
-            ) from None
-        except grpc.RpcError as exc:
-            self._channel.close()
-            raise DaemonError.from_rpc(f"attach to {address}", exc) from None
+        attached = self._attach_to(request, connect_timeout_s)
         self.lease_id = attached.lease_id
         self.worker_id = attached.worker_id
         self.pool_id = attached.pool.pool_id
-        super().__init__(map_pool(descriptor_from_pb(attached.pool)), shape, attached.refill_pages)
+        super().__init__(self._map(attached.pool, shape, shm_dir), shape, attached.refill_pages)
         self._cond = threading.Condition(self._lock)
         self._pending = _Batch()
         self._want_refill = False
@@ -119,6 +118,38 @@ class DaemonKVCache(KVCache):
         self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
         self._sender.start()
         self._listener.start()
+
+    def _attach_to(self, request: memory_pb2.AttachRequest, timeout_s: float) -> memory_pb2.Attached:
+        """Open the lease: the Attach stream and its first event; DaemonError if that cannot be."""
+        what = f"attach to {self.address}"
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            check_unix_peer(self.address)  # before the secret goes out
+            self._attach = self._stub.Attach(request, metadata=self._metadata)
+            return next(self._attach).attached
+        except PermissionDenied as exc:
+            self._channel.close()
+            raise DaemonError(what, grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise DaemonError(what, grpc.StatusCode.UNAVAILABLE, f"no answer within {timeout_s}s") from None
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise DaemonError.from_rpc(what, exc) from None
+
+    def _map(self, pool: memory_pb2.PoolDescriptor, shape: PoolShape, shm_dir: str) -> Any:
+        """The pool as a tensor, if it has the shape asked for and passes map_pool's checks; else the lease
+        ends at once, before anything is written."""
+        try:
+            descriptor = descriptor_from_pb(pool)
+            if descriptor.shape != shape:
+                raise PermissionDenied(f"refusing the pool: it has shape ({descriptor.shape}), not ({shape})")
+            return map_pool(descriptor, shm_dir)
+        except (StatusError, ValueError) as exc:  # a bad shape, storage, size, file
+            self._attach.cancel()
+            self._channel.close()
+            what = f"map the pool from {self.address}"
+            raise DaemonError(what, grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
 
     def stats(self) -> PoolCounts:
         reply = self._call("GetStats", self._stub.GetStats, memory_pb2.GetStatsRequest())

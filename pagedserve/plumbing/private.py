@@ -1,0 +1,175 @@
+"""What other users of this machine can reach: private folders and files, and who is behind a unix socket.
+
+The stack's internal services talk over unix sockets, and the file system is what guards them. A socket in
+a folder that no other user can write cannot be swapped for theirs, and a socket file of mode 0600 admits
+only its owner (and root). So:
+
+- `private_folder` makes or accepts a folder for the stack's sockets and files (`pagedserve up --run-dir`):
+  a real folder, not a symlink, owned by this user, with no permission for group or others (0700), under
+  ancestors that no other user can rename (`check_ancestors`).
+- `write_private_file` writes a file there whole (a fresh name, then a rename), never through a symlink.
+- `check_socket_folder` is what a server checks before it listens on a unix socket, and
+  `restrict_socket` makes the socket file 0600 once it is bound.
+- `check_unix_peer` is what a client checks before it sends the stack's secret to a unix socket: it lies in
+  a folder no other user can write, belongs to this user or root, and the process listening on it runs as
+  this user or root (SO_PEERCRED). TCP carries no such check: there the secret's protection is the
+  network's design (loopback on one machine, a private network such as compose's between containers).
+
+Each check raises PermissionDenied with a message that names the path and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+from pagedserve.plumbing.errors import PermissionDenied
+
+_OTHERS = stat.S_IRWXG | stat.S_IRWXO  # 0o077
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH  # 0o022
+
+
+def trusted_uids() -> frozenset[int]:
+    """Whose files and processes this process trusts: its own user's, and root's."""
+    return frozenset((os.geteuid(), 0))
+
+
+def unix_socket_path(address: str) -> str | None:
+    """The file of a `unix:path` or `unix:///path` address; None for TCP (and abstract sockets)."""
+    if address.startswith("unix://"):
+        return address[len("unix://") :]
+    if address.startswith("unix:"):
+        return address[len("unix:") :]
+    return None
+
+
+def check_ancestors(path: Path) -> None:
+    """Every folder above path belongs to this user or root, and others can write in it only when it is
+    sticky (as /tmp is), so that no other user can rename what lies below."""
+    for ancestor in Path(os.path.realpath(path)).parents:
+        info = os.stat(ancestor)
+        if info.st_uid not in trusted_uids():
+            raise PermissionDenied(f"{ancestor}, above {path}, belongs to uid {info.st_uid}")
+        if info.st_mode & _OTHERS_WRITE and not info.st_mode & stat.S_ISVTX:
+            raise PermissionDenied(
+                f"{ancestor}, above {path}, is writable by others (mode {_mode(info)}) and not sticky"
+            )
+
+
+def check_folder(path: Path, *, private: bool) -> None:
+    """path is a real folder (not a symlink) of this user's, or root's unless private, that no other user
+    can write in; with private, of this user's and closed to everyone else (0700)."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise PermissionDenied(f"{path} is a symbolic link, not a folder")
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionDenied(f"{path} is not a folder")
+    owners = {os.geteuid()} if private else trusted_uids()
+    if info.st_uid not in owners:
+        raise PermissionDenied(f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})")
+    if private and info.st_mode & _OTHERS:
+        raise PermissionDenied(f"{path} is open to others (mode {_mode(info)}); it must be 0700")
+    if info.st_mode & _OTHERS_WRITE:
+        raise PermissionDenied(f"{path} is writable by others (mode {_mode(info)})")
+    check_ancestors(path)
+
+
+def private_folder(path: str | Path) -> Path:
+    """The folder at path, made with mode 0700 if it is missing; PermissionDenied if it is not private."""
+    folder = Path(path).absolute()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    check_folder(folder, private=True)
+    return folder
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Write path whole or not at all: a fresh file (O_EXCL, O_NOFOLLOW, mode 0600) renamed over it.
+
+    A reader never sees half a file, and a symlink planted at either name is replaced, never followed.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.partial")
+    fd = os.open(partial, flags, 0o600)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def check_socket_folder(address: str, *, private: bool) -> None:
+    """Before listening on a unix socket: its folder is the user's and no other user can swap the socket.
+
+    private (a server without a secret): the folder, made 0700 if missing, admits no one else at all.
+    """
+    path = unix_socket_path(address)
+    if path is None:
+        return
+    folder = Path(path).absolute().parent
+    if private:
+        private_folder(folder)
+    else:
+        check_folder(folder, private=False)
+
+
+def restrict_socket(address: str) -> None:
+    """Make a bound unix socket's file 0600: only its user (and root) may connect."""
+    path = unix_socket_path(address)
+    if path is not None:
+        os.chmod(path, 0o600)
+
+
+def check_unix_peer(address: str, timeout_s: float = 2.0) -> None:
+    """Before sending the stack's secret to a unix socket: check that no other user can be listening there.
+
+    Nothing to check for TCP. A socket that does not exist, or where nothing listens, passes: the call that
+    follows fails, and only this user (or root) could put a socket in such a folder meanwhile.
+    """
+    path = unix_socket_path(address)
+    if path is None:
+        return
+    why = f"refusing to send the stack's secret to {address}"
+    try:
+        check_folder(Path(path).absolute().parent, private=False)
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except (PermissionDenied, OSError) as exc:  # OSError: an ancestor this user cannot look into
+        raise PermissionDenied(
+            f"{why}: {exc}; keep the stack's sockets in a folder only its user can write"
+        ) from None
+    if not stat.S_ISSOCK(info.st_mode):
+        raise PermissionDenied(f"{why}: it is not a socket")
+    if info.st_uid not in trusted_uids():
+        raise PermissionDenied(f"{why}: the socket belongs to uid {info.st_uid}, not to this user")
+    try:
+        uid, pid = _listener(path, timeout_s)
+    except OSError as exc:
+        raise PermissionDenied(f"{why}: cannot tell who listens there: {exc}") from None
+    if uid is not None and uid not in trusted_uids():
+        raise PermissionDenied(f"{why}: the process listening there (pid {pid}) runs as uid {uid}")
+
+
+def _listener(path: str, timeout_s: float) -> tuple[int | None, int | None]:
+    """The uid and pid of the process listening on a unix socket (SO_PEERCRED); None when none listens."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout_s)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None, None
+        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return uid, pid
+
+
+def _mode(info: os.stat_result) -> str:
+    return f"{stat.S_IMODE(info.st_mode):o}"
