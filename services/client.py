@@ -37,6 +37,7 @@ def generate_request(
     token_ids: Sequence[int] | None = None,
     request_id: str = "",
     priority: int = 0,
+    cache_salt: str = "",
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
@@ -46,6 +47,7 @@ def generate_request(
         messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
         sampling=generation_pb2.SamplingParams(**sampling),
         priority=priority,
+        cache_salt=cache_salt,
     )
 
 

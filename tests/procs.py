@@ -171,6 +171,11 @@ class Stack:
         found = subprocess.run(["pgrep", "-af", str(self.run_dir)], capture_output=True, text=True)
         return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
+    def pid(self, role: str) -> int:
+        """The process id of the stack's one `role` process: daemon, worker or frontend."""
+        (pid,) = [int(line.split()[0]) for line in self.survivors() if f"services.cli {role} " in line]
+        return pid
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

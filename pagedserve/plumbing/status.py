@@ -1,7 +1,8 @@
 """The one interceptor that turns an exception escaping a handler into a gRPC status.
 
 A `StatusError` becomes its own status and message. Anything else is a bug: the client gets INTERNAL with
-the exception's type, and the log gets the traceback.
+the exception's type, and the log gets the traceback. A request that does not parse (a corrupt message,
+invalid UTF-8 in a string field) is the caller's fault: INVALID_ARGUMENT, and one line in the log.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from pagedserve.plumbing.errors import StatusError
+from pagedserve.plumbing.errors import InvalidArgument, StatusError
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,42 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(code, message)
 
 
+class _Malformed:
+    """What a request that did not parse deserializes to, so that the handler can refuse it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or a UnicodeDecodeError from a string field
+            return _Malformed(exc)
+
+    return deserialize
+
+
+def _check(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        log.warning("refused a request that does not parse: %s", request.error)
+        raise InvalidArgument(f"the request is not a valid message of this method's type: {request.error}")
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _check(request)
+
+
 def _wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(_input(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
@@ -52,7 +85,7 @@ def _wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for response in behavior(request, context):
+            async for response in behavior(_input(request), context):
                 yield response
         except grpc.aio.AbortError:
             raise
@@ -60,6 +93,13 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
             await _abort(context, exc)
 
     return wrapped
+
+
+def _input(request: Any) -> Any:
+    """The request, checked: a message, or a stream of them checked as they arrive."""
+    if hasattr(request, "__aiter__"):
+        return _checked_stream(request)
+    return _check(request)
 
 
 def _wrap(behavior: Callable[..., Any] | None) -> Callable[..., Any] | None:
@@ -80,6 +120,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         return handler._replace(
+            request_deserializer=_safe(handler.request_deserializer),
             unary_unary=_wrap(handler.unary_unary),
             unary_stream=_wrap(handler.unary_stream),
             stream_unary=_wrap(handler.stream_unary),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf3\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xc0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x05 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\"i\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r2\xc3\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf3\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x05 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\"i\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r2\xc3\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=96
   _globals['_SAMPLINGPARAMS']._serialized_end=467
   _globals['_GENERATEREQUEST']._serialized_start=470
-  _globals['_GENERATEREQUEST']._serialized_end=662
-  _globals['_TOPLOGPROB']._serialized_start=664
-  _globals['_TOPLOGPROB']._serialized_end=725
-  _globals['_TOKENLOGPROBS']._serialized_start=727
-  _globals['_TOKENLOGPROBS']._serialized_end=817
-  _globals['_USAGE']._serialized_start=819
-  _globals['_USAGE']._serialized_end=906
-  _globals['_GENERATERESPONSE']._serialized_start=909
-  _globals['_GENERATERESPONSE']._serialized_end=1214
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=1136
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=1214
-  _globals['_TOKENIZEREQUEST']._serialized_start=1216
-  _globals['_TOKENIZEREQUEST']._serialized_end=1321
-  _globals['_TOKENIZERESPONSE']._serialized_start=1323
-  _globals['_TOKENIZERESPONSE']._serialized_end=1360
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1362
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1383
-  _globals['_MODELINFO']._serialized_start=1386
-  _globals['_MODELINFO']._serialized_end=1536
-  _globals['_GENERATION']._serialized_start=1539
-  _globals['_GENERATION']._serialized_end=1862
+  _globals['_GENERATEREQUEST']._serialized_end=682
+  _globals['_TOPLOGPROB']._serialized_start=684
+  _globals['_TOPLOGPROB']._serialized_end=745
+  _globals['_TOKENLOGPROBS']._serialized_start=747
+  _globals['_TOKENLOGPROBS']._serialized_end=837
+  _globals['_USAGE']._serialized_start=839
+  _globals['_USAGE']._serialized_end=926
+  _globals['_GENERATERESPONSE']._serialized_start=929
+  _globals['_GENERATERESPONSE']._serialized_end=1234
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=1156
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=1234
+  _globals['_TOKENIZEREQUEST']._serialized_start=1236
+  _globals['_TOKENIZEREQUEST']._serialized_end=1341
+  _globals['_TOKENIZERESPONSE']._serialized_start=1343
+  _globals['_TOKENIZERESPONSE']._serialized_end=1380
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1382
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1403
+  _globals['_MODELINFO']._serialized_start=1406
+  _globals['_MODELINFO']._serialized_end=1556
+  _globals['_GENERATION']._serialized_start=1559
+  _globals['_GENERATION']._serialized_end=1882
 # @@protoc_insertion_point(module_scope)

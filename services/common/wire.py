@@ -19,6 +19,9 @@ from pagedserve.worker.v1 import worker_pb2
 from services.common.sampling import SamplingOptions
 
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# A worker sends each stream its load at least this often, so that silence means it is stuck or frozen.
+HEARTBEAT_S = 1.0
+SILENT_AFTER_S = 3 * HEARTBEAT_S  # a frontend stops routing to a worker silent for this long
 
 
 def sampling_from_pb(params: generation_pb2.SamplingParams, **overrides: object) -> SamplingOptions:

@@ -33,6 +33,13 @@ class FrontendConfig:
         1024, "requests queued behind them; more are refused with RESOURCE_EXHAUSTED", check=not_negative
     )
     default_max_tokens: int = setting(256, "max_tokens of a request that sets none", check=positive)
+    tokenizer_threads: int = setting(2, "threads that tokenize requests; more wait for one", check=positive)
+    drain_timeout_s: float = setting(
+        30.0,
+        "seconds a stream's next message may wait for the client to read it before the call is cancelled",
+        flag="--drain-timeout",
+        check=positive,
+    )
     shutdown_grace_s: float = 10.0
     metrics: MetricsSettings = nested(MetricsSettings)
     secret: str | None = secret_setting()  # presented to workers

@@ -52,6 +52,9 @@ E2E_REQUEST_LATENCY = Histogram(
 REQUESTS = Counter("pagedserve_requests", "Generate and Complete calls by final gRPC status", ["code"])
 PROMPT_TOKENS = Counter("pagedserve_prompt_tokens", "prompt tokens of requests that ended OK")
 GENERATION_TOKENS = Counter("pagedserve_generation_tokens", "completion tokens of requests that ended OK")
+SLOW_READERS = Counter(
+    "pagedserve_slow_readers", "streams cancelled because the client did not read them for --drain-timeout"
+)
 REQUESTS_RUNNING = Gauge("pagedserve_requests_running", "requests holding an admission slot")
 REQUESTS_WAITING = Gauge("pagedserve_requests_waiting", "requests queued for an admission slot")
 for _code in _COMMON_CODES.split():

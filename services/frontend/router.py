@@ -1,6 +1,8 @@
 """Workers as the frontend sees them: one multiplexed Connect stream each, and least-loaded routing.
 
-A WorkerLink keeps its stream open and reconnects with backoff when it breaks. Everything queued for
+A WorkerLink keeps its stream open and reconnects with backoff when it breaks. A worker sends its load at
+least every HEARTBEAT_S; one silent for SILENT_AFTER_S (frozen, or its event loop stuck) gets no new
+requests until it speaks again. Everything queued for
 sending while a call is in flight goes out as one WorkerRequest. Each request's outputs arrive on its own
 asyncio queue; when the worker goes away, every request it had gets WorkerDown at once, which the service
 answers with UNAVAILABLE. A worker that is connected but refuses new requests (its KV pool is out of reach)
@@ -12,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from pagedserve.plumbing.auth import secret_metadata
 from pagedserve.plumbing.errors import Unavailable
-from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
+from pagedserve.plumbing.rpc import CHANNEL_OPTIONS, check_peer_before_secret
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.sampling import SamplingOptions
-from services.common.wire import sampling_to_pb
-from services.frontend.validation import ModelLimits
+from services.common.wire import SILENT_AFTER_S, sampling_to_pb
+from services.frontend.validation import ModelLimits, PreparedRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class WorkerLink:
         self.down_reason = "not reached yet"  # why it is not up, for the log and for clients
         self.info: worker_pb2.WorkerInfo | None = None
         self.load = worker_pb2.Load()
+        self.last_heard = 0.0  # when the worker last sent a message, by time.monotonic()
+        self.silent = False
         self._on_change = on_change
         self._outbox: asyncio.Queue[worker_pb2.WorkerRequest] = asyncio.Queue()
         self._requests: dict[str, asyncio.Queue[Output]] = {}
@@ -62,7 +66,22 @@ class WorkerLink:
 
     @property
     def accepting(self) -> bool:
-        return self.up and not self.load.unavailable
+        return self.up and not self.load.unavailable and not self.silent
+
+    @property
+    def refusing(self) -> str:
+        """Why a worker that is up takes no requests now; empty when it takes them."""
+        if self.silent:
+            return f"it has sent nothing for {time.monotonic() - self.last_heard:.0f}s"
+        return self.load.unavailable
+
+    def check_silence(self) -> None:
+        """Note that the worker went silent, or spoke again; called every half second."""
+        silent = self.up and time.monotonic() - self.last_heard > SILENT_AFTER_S
+        if silent != self.silent:
+            self.silent = silent
+            log.warning("worker %s: %s", self.address, self.refusing or "speaks again")
+            self._on_change()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"worker-link {self.address}")
@@ -72,9 +91,8 @@ class WorkerLink:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(
-        self, prompt_ids: Sequence[int], options: SamplingOptions, priority: int
-    ) -> tuple[str, asyncio.Queue[Output]]:
+    def submit(self, prepared: PreparedRequest) -> tuple[str, asyncio.Queue[Output]]:
+        """Send a request to the worker; returns its id on this stream and the queue of its outputs."""
         if not self.up:
             raise WorkerDown(f"worker {self.address} is down")
         request_id = str(next(self._ids))
@@ -82,9 +100,10 @@ class WorkerLink:
         self._requests[request_id] = queue
         submit = worker_pb2.Submit(
             request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling_to_pb(options),
-            priority=priority,
+            prompt_token_ids=prepared.prompt_ids,
+            sampling=sampling_to_pb(prepared.options),
+            priority=prepared.priority,
+            cache_salt=prepared.cache_salt,
         )
         self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit]))
         return request_id, queue
@@ -114,6 +133,7 @@ class WorkerLink:
             backoff = min(backoff * 2, 1.0)
 
     async def _session(self) -> None:
+        await check_peer_before_secret(self.address)  # a unix socket: no other user's process behind it
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             self.info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5, metadata=self._metadata)
@@ -132,12 +152,15 @@ class WorkerLink:
                 self.load = (await anext(messages)).load  # the worker's first message: its load alone
             except StopAsyncIteration:
                 return
+            self.last_heard = time.monotonic()
             self.up = True
             log.info("worker %s (%s) is up", self.address, self.info.worker_name)
             if self.load.unavailable:
                 log.warning("worker %s refuses requests for now: %s", self.address, self.load.unavailable)
             self._on_change()
             async for message in messages:
+                self.last_heard = time.monotonic()
+                self.check_silence()
                 accepted, self.load = self.accepting, message.load
                 if self.accepting != accepted:
                     change = self.load.unavailable or "accepts requests again"
@@ -162,7 +185,7 @@ class WorkerLink:
             )
 
     def _set_down(self, reason: str) -> None:
-        was_up, self.up = self.up, False
+        was_up, self.up, self.silent = self.up, False, False
         for queue in self._requests.values():
             queue.put_nowait(
                 WorkerDown(f"the worker at {self.address} went away mid-request ({reason}); retry")
@@ -183,6 +206,7 @@ class Router:
         if not addresses:
             raise ValueError("the frontend needs at least one worker address")  # FrontendConfig checks it
         self.links = [WorkerLink(address, model_id, on_change, secret) for address in addresses]
+        self._watch: asyncio.Task[None] | None = None
 
     @property
     def any_up(self) -> bool:
@@ -192,16 +216,25 @@ class Router:
     def start(self) -> None:
         for link in self.links:
             link.start()
+        self._watch = asyncio.create_task(self._watch_silence(), name="worker silence")
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await asyncio.gather(*(link.stop() for link in self.links))
+
+    async def _watch_silence(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for link in self.links:
+                link.check_silence()
 
     def pick(self) -> WorkerLink:
         """The least-loaded worker that is up: fewest requests of ours in flight, then most free pages."""
         up = [link for link in self.links if link.accepting]
         if up:
             return min(up, key=lambda link: (link.outstanding, link.load.kv_pages_in_use))
-        refusing = [f"{link.address}: {link.load.unavailable}" for link in self.links if link.up]
+        refusing = [f"{link.address}: {link.refusing}" for link in self.links if link.up]
         if refusing:
             raise Unavailable(f"no worker accepts requests now ({'; '.join(refusing)})")
         why = "; ".join(f"{link.address}: {link.down_reason}" for link in self.links)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
@@ -18,6 +19,7 @@ from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
+from services.frontend.generation import Shared
 from services.frontend.metrics import track_admission
 from services.frontend.router import Router
 from services.frontend.service import GenerationService
@@ -40,7 +42,9 @@ async def serve(config: FrontendConfig) -> None:
     router = Router(config.workers, model_id, workers_changed.set, secret=config.secret)
     builder = RequestBuilder(tokenizer, default_max_tokens=config.default_max_tokens)
     admission = Admission(config.max_running, config.max_waiting)
-    service = GenerationService(router, admission, builder, model_id)
+    tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+    shared = Shared(router, admission, builder, tokenizing)
+    service = GenerationService(shared, model_id, config.drain_timeout_s)
     if config.metrics.port:
         track_admission(admission)
         config.metrics.serve()
@@ -82,6 +86,7 @@ async def serve(config: FrontendConfig) -> None:
     finally:
         health_task.cancel()
         await router.stop()
+        tokenizing.shutdown(cancel_futures=True)
 
 
 def run(config: FrontendConfig) -> int:

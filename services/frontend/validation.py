@@ -11,21 +11,24 @@ import dataclasses
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.plumbing.errors import InvalidArgument
+from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
 from pagedserve.v1 import generation_pb2
 from services.common.limits import check_prompt_fits
 from services.common.sampling import SamplingOptions
 from services.common.wire import sampling_from_pb
+from services.frontend.chat import ChatRenderer
 
-ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 256
+MAX_CACHE_SALT_BYTES = 256
+# A prompt's text may be at most this many characters a token of the model's context: a bound checked before
+# any tokenizer runs, generous for real text (about 4 characters a token), so that megabytes of text cost
+# microseconds to refuse, not seconds and gigabytes to tokenize.
+CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -35,87 +38,110 @@ class ModelLimits:
 
 
 @dataclass(frozen=True)
+class CheckedRequest:
+    """A request with every field checked, but its text, which the tokenizer has yet to turn into ids."""
+
+    request: generation_pb2.GenerateRequest
+    options: SamplingOptions  # max_tokens not yet cut to the room the prompt leaves
+    stop: tuple[str, ...]
+    cache_salt: str
+
+
+@dataclass(frozen=True)
 class PreparedRequest:
     request_id: str
     prompt_ids: list[int]
     options: SamplingOptions
     stop: tuple[str, ...]
     priority: int
+    cache_salt: str = ""
 
 
 class RequestBuilder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, default_max_tokens: int) -> None:
         self.tokenizer = tokenizer
+        self.chat = ChatRenderer(tokenizer)
         self.default_max_tokens = default_max_tokens
 
     def prepare(self, request: generation_pb2.GenerateRequest, limits: ModelLimits) -> PreparedRequest:
+        return self.tokenize(self.check(request, limits), limits)
+
+    def check(self, request: generation_pb2.GenerateRequest, limits: ModelLimits) -> CheckedRequest:
+        """Every check that needs no tokenizer, so that a bad request is refused before it is admitted."""
         if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
             raise InvalidArgument(
                 f"request_id is {len(request.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}"
             )
-        prompt_ids = self.prompt_ids(
-            request.prompt, request.prompt_token_ids, request.messages, vocab_size=limits.vocab_size
-        )
-        room = check_prompt_fits(len(prompt_ids), limits.max_model_len)
+        _check_one_input(request.prompt, request.prompt_token_ids, request.messages)
+        _check_tokens("prompt_token_ids", request.prompt_token_ids, limits.vocab_size)
         sampling = request.sampling
         _check_tokens("sampling.stop_token_ids", sampling.stop_token_ids, limits.vocab_size)
         defaults = {} if sampling.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
         options = sampling_from_pb(sampling, **defaults)
+        return CheckedRequest(request, options, _stop_strings(sampling.stop), _cache_salt(request.cache_salt))
+
+    def tokenize(self, checked: CheckedRequest, limits: ModelLimits) -> PreparedRequest:
+        request = checked.request
+        prompt_ids = self.prompt_ids(request.prompt, request.prompt_token_ids, request.messages)
+        room = check_prompt_fits(len(prompt_ids), limits.max_model_len)
         # Never ask for more than the context has room for: generation would stop there anyway.
-        options = dataclasses.replace(options, max_tokens=min(options.max_tokens, room))
+        options = dataclasses.replace(checked.options, max_tokens=min(checked.options.max_tokens, room))
         return PreparedRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_ids=prompt_ids,
             options=options,
-            stop=_stop_strings(sampling.stop),
+            stop=checked.stop,
             priority=request.priority,
+            cache_salt=checked.cache_salt,
         )
 
     def prompt_ids(
-        self,
-        prompt: str,
-        token_ids: Sequence[int],
-        messages: Sequence[generation_pb2.ChatMessage],
-        *,
-        vocab_size: int | None = None,
+        self, prompt: str, token_ids: Sequence[int], messages: Sequence[generation_pb2.ChatMessage]
     ) -> list[int]:
-        """The one input of a request, as token ids; token ids given are checked against vocab_size."""
-        given = [
-            name
-            for name, value in (("prompt", prompt), ("prompt_token_ids", token_ids), ("messages", messages))
-            if value
-        ]
-        if not given:
-            raise InvalidArgument(
-                "the request has no input: set exactly one of prompt, prompt_token_ids or messages"
-            )
-        if len(given) > 1:
-            raise InvalidArgument(f"the request sets {' and '.join(given)}; set exactly one input")
+        """The one input of a request, as token ids."""
+        _check_one_input(prompt, token_ids, messages)
         if token_ids:
-            if vocab_size is not None:
-                _check_tokens("prompt_token_ids", token_ids, vocab_size)
             return list(token_ids)
         if messages:
-            return self._chat(messages)
-        ids = self.tokenizer(prompt)["input_ids"]
+            return self.chat.ids(messages)
+        ids = self.text_ids(prompt)
         if not ids:
             raise InvalidArgument("the prompt tokenizes to nothing")
-        return list(ids)
+        return ids
 
-    def _chat(self, messages: Sequence[generation_pb2.ChatMessage]) -> list[int]:
-        for i, message in enumerate(messages):
-            if message.role not in ROLES:
-                raise InvalidArgument(
-                    f"messages[{i}].role is {message.role!r}; it must be one of {', '.join(ROLES)}"
-                )
-        if self.tokenizer.chat_template is None:
-            raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
-        chat = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            ids: Any = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-        except TemplateError as exc:
-            raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _check_one_input(
+    prompt: str, token_ids: Sequence[int], messages: Sequence[generation_pb2.ChatMessage]
+) -> None:
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("prompt_token_ids", token_ids), ("messages", messages))
+        if value
+    ]
+    if not given:
+        raise InvalidArgument(
+            "the request has no input: set exactly one of prompt, prompt_token_ids or messages"
+        )
+    if len(given) > 1:
+        raise InvalidArgument(f"the request sets {' and '.join(given)}; set exactly one input")
+
+
+def check_sizes(
+    text: str, messages: Sequence[generation_pb2.ChatMessage], limits: ModelLimits, num_token_ids: int = 0
+) -> None:
+    """Refuse, before tokenizing, an input that cannot fit the context: by its length alone."""
+    if num_token_ids:
+        check_prompt_fits(num_token_ids, limits.max_model_len)
+    chars = len(text) + sum(len(m.content) + len(m.role) for m in messages)
+    most = limits.max_model_len * CHARS_PER_TOKEN
+    if chars > most:
+        raise ResourceExhausted(
+            f"the prompt has {chars} characters, but the model's context is {limits.max_model_len} tokens, "
+            f"which takes at most {most} characters ({CHARS_PER_TOKEN} a token); shorten the prompt"
+        )
 
 
 def _check_tokens(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
@@ -126,6 +152,12 @@ def _check_tokens(field: str, token_ids: Sequence[int], vocab_size: int) -> None
             raise InvalidArgument(
                 f"{field}[{i}] is {token}, which is not a token of this model (0..{vocab_size - 1})"
             )
+
+
+def _cache_salt(salt: str) -> str:
+    if len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument(f"cache_salt is {len(salt.encode())} bytes; at most {MAX_CACHE_SALT_BYTES}")
+    return salt
 
 
 def _stop_strings(stop: Sequence[str]) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from memory_daemon.shape import DType
 from pagedserve.plumbing.auth import secret_setting
 from pagedserve.plumbing.logs import log_level_setting
 from pagedserve.plumbing.metrics import MetricsSettings
-from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, setting
+from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, positive, setting
 from pagedserve.plumbing.sizes import parse_bytes
 from services.worker.core.engine import EngineConfig
 
@@ -27,6 +27,9 @@ class WorkerConfig:
         "daemon", "lease the KV pool from the daemon, or keep one in this process"
     )
     daemon: str = setting("127.0.0.1:50052", "the memory daemon's address")
+    shm_dir: str = setting(
+        "/dev/shm", "where CPU pool files live: a worker maps none that the daemon names elsewhere"
+    )
     device: str = setting("cpu", "cpu, cuda or cuda:N", check=device)
     dtype: Literal["auto"] | DType = setting(
         "auto", "the model's dtype: auto is float32 on the CPU, bfloat16 on CUDA"
@@ -44,6 +47,13 @@ class WorkerConfig:
         "auto", "attention and fused kernels: auto takes CuPy's on CUDA, torch's on the CPU"
     )
     cuda_graphs: bool = setting(True, "replay decode steps as CUDA graphs (CUDA only)")
+    stall_timeout_s: float = setting(
+        5.0,
+        "seconds one engine step may take (or three times the slowest recent step, if longer) before the "
+        "worker reports NOT_SERVING and frontends route around it",
+        flag="--stall-timeout",
+        check=positive,
+    )
     engine: EngineConfig = nested(EngineConfig)
     metrics: MetricsSettings = nested(MetricsSettings)
     secret: str | None = secret_setting()

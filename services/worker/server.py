@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import aio as health_aio
 
 from kernels import KernelBackend, TorchBackend
 from memory_daemon.shape import PoolShape
-from pagedserve.plumbing.auth import secret_interceptor
+from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
+from pagedserve.plumbing.private import restrict_socket
 from pagedserve.plumbing.rpc import start_server, stop_signal
 from pagedserve.worker.v1 import worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
@@ -84,6 +83,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
             device=config.device,
             secret=config.secret,
             on_lost=on_lost,
+            shm_dir=config.shm_dir,
         )
         kv = attach()
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
@@ -103,29 +103,29 @@ async def keep_attached(
     engine: EngineLoop,
     attach: Callable[[], KVCache],
     lost: asyncio.Event,
-    health: health_aio.HealthServicer,
-    announce: Callable[[], None],
+    refresh: Callable[[], Awaitable[None]],
 ) -> None:
     """When the daemon goes away, fail what runs (UNAVAILABLE) and report NOT_SERVING, then lease anew once
-    it is back. announce tells the frontends each change."""
+    it is back. refresh tells health and the frontends each change."""
     while True:
         await lost.wait()
         lost.clear()
         log.warning("the memory daemon went away: failing running requests, waiting to re-attach")
-        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.wrap_future(engine.suspend("the KV memory daemon went away; retry"))
-        announce()
-        old = engine.core.kv
+        await refresh()
+        old, refused = engine.core.kv, ""
         while True:
             try:
                 kv = await asyncio.to_thread(attach)
                 break
-            except DaemonError:
+            except DaemonError as exc:
+                if exc.rpc_code.name != "UNAVAILABLE":  # refused, not just gone: say why, once
+                    log.log(logging.WARNING if str(exc) != refused else logging.DEBUG, "%s", exc)
+                    refused = str(exc)
                 await asyncio.sleep(0.5)  # the daemon is not back yet
         await asyncio.wrap_future(engine.resume(kv))
         await asyncio.to_thread(old.close)
-        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        announce()
+        await refresh()
         log.info("re-attached to the memory daemon: %d pages", kv.num_pages - 1)
 
 
@@ -139,7 +139,7 @@ async def serve(config: WorkerConfig) -> None:
     loaded = await asyncio.to_thread(load_worker, config, on_lost)
     engine = loaded.engine
     info = worker_info(config, loaded.model_dir, loaded.model_id, engine.core.model.spec)
-    service = WorkerService(engine, info, loop)
+    service = WorkerService(engine, info, loop, config.stall_timeout_s)
     if config.metrics.port:
         instrument(engine)
         config.metrics.serve()
@@ -150,11 +150,12 @@ async def serve(config: WorkerConfig) -> None:
         [SERVICE_NAME],
         interceptors=secret_interceptor(config.secret, config.address),
     )
+    restrict_socket(running.address)
+    service.health = running.health
+    heartbeat = asyncio.create_task(service.beat(), name="heartbeat")
     reattach = None
     if loaded.attach is not None:
-        reattach = asyncio.create_task(
-            keep_attached(engine, loaded.attach, lost, running.health, service.announce_load)
-        )
+        reattach = asyncio.create_task(keep_attached(engine, loaded.attach, lost, service.refresh))
     stop = stop_signal()
     log.info("worker %r serving on %s", config.name, running.address)
     try:
@@ -162,6 +163,7 @@ async def serve(config: WorkerConfig) -> None:
         log.info("shutting down")
         await running.stop(grace_s=5.0)
     finally:
+        heartbeat.cancel()
         if reattach is not None:
             reattach.cancel()
         await asyncio.to_thread(engine.stop)
@@ -169,6 +171,11 @@ async def serve(config: WorkerConfig) -> None:
 
 
 def run(config: WorkerConfig) -> int:
+    check_serving_address("pagedserve worker", config.secret, config.address)
     setup_logging(f"worker[{config.name}]", config.log_level)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except DaemonError as exc:  # at start: the daemon refused, or is not there
+        log.error("cannot start: %s", exc)
+        return 1
     return 0

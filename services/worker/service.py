@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.wire import error_fields, sampling_from_pb
+from services.common.wire import HEARTBEAT_S, error_fields, sampling_from_pb
 from services.worker.config import WorkerConfig
 from services.worker.core.loop import EngineLoop
 from services.worker.core.outputs import RequestOutput, TokenLogprob
@@ -33,15 +35,23 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _Reason = generation_pb2.GenerateResponse.FinishReason
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(
-        self, engine: EngineLoop, info: worker_pb2.WorkerInfo, loop: asyncio.AbstractEventLoop
+        self,
+        engine: EngineLoop,
+        info: worker_pb2.WorkerInfo,
+        loop: asyncio.AbstractEventLoop,
+        stall_timeout_s: float = 5.0,
     ) -> None:
         self._engine = engine
         self._info = info
         self._loop = loop
+        self._stall_timeout_s = stall_timeout_s
+        self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
+        self._serving = True
         self._streams: dict[int, asyncio.Queue[worker_pb2.StepOutputs | None]] = {}
         self._stream_ids = itertools.count(1)
         engine.on_outputs = self._on_outputs
@@ -85,12 +95,30 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerInfo:
         return self._info
 
-    def announce_load(self) -> None:
-        """Send every stream the load alone, from the event loop: the frontends learn at once that this
-        worker stopped or started accepting requests."""
+    def unavailable(self) -> str:
+        """Why this worker refuses new requests (its KV pool is out of reach, its engine is stuck); empty
+        when it accepts them."""
+        return self._engine.suspended or self._engine.stalled(self._stall_timeout_s) or ""
+
+    async def refresh(self) -> None:
+        """Tell health and every frontend stream whether this worker accepts requests, at once."""
+        why = self.unavailable()
+        if self._serving == bool(why) and self.health is not None:
+            self._serving = not why
+            log.warning("%s", why or "accepting requests again")
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING if why else health_pb2.HealthCheckResponse.SERVING
+            )
+            await self.health.set(SERVICE_NAME, status)
         message = worker_pb2.StepOutputs(load=self._load())
         for queue in self._streams.values():
             queue.put_nowait(message)
+
+    async def beat(self) -> None:
+        """The heartbeat: refresh every HEARTBEAT_S, so that a frontend tells a frozen worker by silence."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _read(
         self,
@@ -129,7 +157,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             options = sampling_from_pb(submit.sampling)
             key = (stream, submit.request_id)
-            self._engine.submit(key, submit.prompt_token_ids, options, submit.priority)
+            self._engine.submit(key, submit.prompt_token_ids, options, submit.priority, submit.cache_salt)
         except StatusError as refusal:
             return error_fields(refusal)
         live.add(submit.request_id)
@@ -158,7 +186,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             waiting=waiting,
             kv_pages_in_use=usage.in_use_pages + usage.referenced_pages,
             kv_pages_total=kv.num_pages - 1,
-            unavailable=self._engine.suspended or "",
+            unavailable=self.unavailable(),
         )
 
 

@@ -46,8 +46,7 @@ def wait_for_idle_worker(stack: Stack, timeout_s: float = 10.0) -> None:
 
 def frontend_cpu_seconds(stack: Stack) -> float:
     """The CPU time the stack's frontend process has used, from /proc (a scrape would add to it)."""
-    (line,) = [line for line in stack.survivors() if "services.cli frontend" in line]
-    stat = Path(f"/proc/{line.split()[0]}/stat").read_text()
+    stat = Path(f"/proc/{stack.pid('frontend')}/stat").read_text()
     utime, stime = stat.rsplit(")", 1)[1].split()[11:13]  # fields 14 and 15, in clock ticks
     return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 

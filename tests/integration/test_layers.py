@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,13 +33,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def pids_of(stack: Stack, role: str) -> list[int]:
-    found = subprocess.run(
-        ["pgrep", "-f", f"services.cli {role} .*{stack.run_dir}"], capture_output=True, text=True
-    )
-    return [int(pid) for pid in found.stdout.split()]
-
-
 def test_worker_flags_given_to_up_reach_the_workers(stack: Stack) -> None:
     with grpc.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -52,16 +44,13 @@ def test_worker_flags_given_to_up_reach_the_workers(stack: Stack) -> None:
         )
     # With the prefix cache off, the same prompt twice finds nothing cached.
     assert (first.usage.cached_prompt_tokens, second.usage.cached_prompt_tokens) == (0, 0)
-    (worker,) = pids_of(stack, "worker")
-    command = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
+    command = Path(f"/proc/{stack.pid('worker')}/cmdline").read_bytes().split(b"\0")
     assert all(flag.encode() in command for flag in FLAGS), command
 
 
 def test_the_frontend_process_never_loads_torch(stack: Stack) -> None:
-    (frontend,) = pids_of(stack, "frontend")
-    (worker,) = pids_of(stack, "worker")
-    assert "libtorch" not in Path(f"/proc/{frontend}/maps").read_text()
-    assert "libtorch" in Path(f"/proc/{worker}/maps").read_text()  # the check can see torch where it is
+    assert "libtorch" not in Path(f"/proc/{stack.pid('frontend')}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{stack.pid('worker')}/maps").read_text()  # the check sees it
 
 
 class Faulty(generation_pb2_grpc.GenerationServicer):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingOptions
-from services.worker.core.sampler import apply_penalties, sample
+from services.worker.core.sampler import apply_penalties, sample, seeded_noise
 from services.worker.core.sequence import Sequence
 from tests.unit.sampling import make_seq, reference_penalties
 
@@ -136,3 +136,16 @@ def test_different_seeds_give_different_tokens() -> None:
     assert first != second
     assert sum(a == b for a, b in zip(first, second, strict=True)) <= 5
     assert again == first
+
+
+def test_seeded_noise_depends_on_all_64_bits_of_the_seed_and_the_position_alone() -> None:
+    noise = seeded_noise(1, 7, 1000)
+    assert torch.equal(noise, seeded_noise(1, 7, 1000))
+    for other in (
+        seeded_noise(1 + 2**32, 7, 1000),
+        seeded_noise(1 + 2**63, 7, 1000),
+        seeded_noise(1, 8, 1000),
+    ):
+        assert not torch.equal(noise, other)
+    assert not torch.equal(seeded_noise(-1, 0, 100), seeded_noise(2**32 - 1, 0, 100))
+    assert noise.min() > 0 and abs(noise.mean().item() - 1.0) < 0.1  # Exp(1)

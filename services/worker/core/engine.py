@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from memory_daemon.prefix import salted_root
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError
 from pagedserve.plumbing.settings import check_settings, positive, setting
 from services.common.limits import check_prompt_fits
@@ -64,7 +65,12 @@ class EngineCore:
         return self.scheduler.kv
 
     def new_sequence(
-        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+        self,
+        key: Hashable,
+        prompt_ids: Seq[int],
+        options: SamplingOptions,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> Sequence:
         """A checked request, ready for `add`; safe to call from any thread.
 
@@ -84,15 +90,22 @@ class EngineCore:
                 f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}: "
                 "shorten it, or give the workers more --kv-memory"
             )
-        return Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
+        seq = Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
+        seq.cache_root = salted_root(cache_salt)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
     def add_request(
-        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+        self,
+        key: Hashable,
+        prompt_ids: Seq[int],
+        options: SamplingOptions,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
-        self.add(self.new_sequence(key, prompt_ids, options, priority))
+        self.add(self.new_sequence(key, prompt_ids, options, priority, cache_salt))
 
     def abort(self, key: Hashable) -> RequestOutput | None:
         """End a request now, freeing its pages; None if it is not running (it finished already)."""

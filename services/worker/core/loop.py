@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
@@ -43,17 +44,24 @@ class EngineLoop:
         self._commands: list[tuple[Command, Future[None]]] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._step_began: float | None = None  # while a step runs, when it began (time.monotonic)
+        self._step_seconds: deque[float] = deque(maxlen=100)  # the last steps' durations
 
     # Called from any thread ------------------------------------------------------------------------
 
     def submit(
-        self, key: Hashable, prompt_ids: Seq[int], options: SamplingOptions, priority: int = 0
+        self,
+        key: Hashable,
+        prompt_ids: Seq[int],
+        options: SamplingOptions,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request; raises Unavailable while the pool is out of reach, and what the core's
         `new_sequence` raises for a request it cannot run."""
         if self.suspended is not None:
             raise Unavailable(self.suspended)
-        seq = self.core.new_sequence(key, prompt_ids, options, priority)
+        seq = self.core.new_sequence(key, prompt_ids, options, priority, cache_salt)
         with self._wake:
             self._inbox.append(seq)
             self._wake.notify()
@@ -88,6 +96,17 @@ class EngineLoop:
             queued = len(self._inbox)
         scheduler = self.core.scheduler
         return len(scheduler.running), scheduler.num_waiting + queued
+
+    def stalled(self, floor_s: float) -> str | None:
+        """Why the engine counts as stuck, or None: a step has run for longer than floor_s and than three
+        times the slowest of the last hundred steps (so that a slow machine's long steps do not count)."""
+        began = self._step_began
+        if began is None:
+            return None
+        running = time.monotonic() - began
+        if running <= max(floor_s, 3 * max(self._step_seconds, default=0.0)):
+            return None
+        return f"the engine has been in one step for {running:.0f}s"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -126,10 +145,14 @@ class EngineLoop:
                 if self._stopping:
                     break
             steps, started = self.core.steps, time.perf_counter()
+            self._step_began = time.monotonic()
             outputs = self.step()
+            self._step_began = None
+            seconds = time.perf_counter() - started
+            self._step_seconds.append(seconds)
             self.kv_slots = self.core.kv_slots()
             if self.on_step is not None and self.core.steps != steps:
-                self.on_step(time.perf_counter() - started, self.core.last_batch[0])
+                self.on_step(seconds, self.core.last_batch[0])
             self._emit(outputs)
         self._emit([out for key in list(self.core.scheduler.requests) if (out := self.core.abort(key))])
 

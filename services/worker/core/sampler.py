@@ -2,16 +2,18 @@
 
 Per row, in order: penalties (repetition over prompt and output, presence and frequency over the
 output), temperature, min_p, then top_k and top_p. Greedy rows take the argmax of the penalized logits.
-Random rows draw by the exponential race, argmax(p / E) with E ~ Exp(1), which samples from p exactly; a
-seeded row draws its noise from its own generator, one vocabulary-sized draw per token, so its tokens do
-not depend on what else is in the batch. Log-probabilities are the model's own (before penalties and
-temperature), as vLLM reports them by default.
+Random rows draw by the exponential race, argmax(p / E) with E ~ Exp(1), which samples from p exactly. A
+seeded row's noise is a function of its seed and the token's position alone (`seeded_noise`: a Philox
+counter-based generator keyed by all 64 bits of the seed), so its tokens depend neither on what else is
+in the batch nor on which worker, or how many times, runs the request. Log-probabilities are the model's
+own (before penalties and temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.common.sampling import SamplingOptions
@@ -39,7 +41,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
         noise = torch.empty_like(probs).exponential_()
         for row, seq in enumerate(seqs):
             if seq.options.seed is not None and not seq.options.greedy:
-                noise[row].exponential_(generator=_generator(seq, logits.device))
+                noise[row] = seeded_noise(seq.options.seed, seq.num_tokens, noise.shape[1])
         drawn = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([o.greedy for o in options], device=logits.device)
         chosen = torch.where(is_greedy, greedy, drawn)
@@ -90,11 +92,12 @@ def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
     return probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
-def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
-    if seq.generator is None:
-        seq.generator = torch.Generator(device=device)
-        seq.generator.manual_seed(seq.options.seed)  # type: ignore[arg-type]
-    return seq.generator
+def seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [vocab] for the token at `position` of a request with this seed."""
+    # Philox's counter has four 64-bit words; the position takes the second, so each position's stream
+    # has 2^64 draws of its own before it could meet the next one's.
+    bits = np.random.Philox(key=seed & (2**64 - 1), counter=[0, position, 0, 0])
+    return torch.from_numpy(np.random.Generator(bits).standard_exponential(vocab, dtype=np.float32))
 
 
 def _logprobs(

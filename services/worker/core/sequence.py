@@ -6,8 +6,6 @@ import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-import torch
-
 from memory_daemon.prefix import ROOT_KEY, page_keys
 from services.common.sampling import SamplingOptions
 
@@ -39,7 +37,7 @@ class Sequence:
     cached_prompt_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
     preemptions: int = 0
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None  # per-request randomness, when seeded
+    cache_root: bytes = ROOT_KEY  # the parent of its page-key chain: its cache salt's namespace
     _keys: list[bytes] = field(default_factory=list)  # the hash chain of leading full pages
 
     @property
@@ -59,7 +57,7 @@ class Sequence:
         """The chain keys of the first `count` full pages, extending the cached chain as needed."""
         if count > len(self._keys):
             start = len(self._keys) * page_size
-            parent = self._keys[-1] if self._keys else ROOT_KEY
+            parent = self._keys[-1] if self._keys else self.cache_root
             self._keys += page_keys(self.tokens[start : count * page_size], page_size, parent)
         return self._keys[:count]
 
