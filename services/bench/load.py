@@ -1,13 +1,16 @@
-"""Sending a workload to a running stack over gRPC and timing every token.
+"""Sending a workload to a running server and timing every token.
 
 Under a fixed concurrency, that many requests are in flight at all times; under a rate, each request leaves
-at its Poisson arrival time whatever is still running. Every request streams (Generate), greedy.
+at its Poisson arrival time whatever is still running. `drive` does the pacing for any server; `grpc_target`
+sends each request to pagedserve's Generate, greedy, streaming (`openai` does the same over HTTP).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import grpc
 from tqdm import tqdm
@@ -17,39 +20,49 @@ from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.bench.results import RequestRecord
 from services.bench.workloads import BenchRequest
 
+Send = Callable[[BenchRequest], Awaitable[RequestRecord]]
 
-async def run_load(
-    address: str,
-    requests: list[BenchRequest],
-    *,
-    concurrency: int | None,
-    label: str,
-    credentials: grpc.ChannelCredentials | None = None,
-    metadata: tuple[tuple[str, str], ...] = (),
+
+async def drive(
+    requests: list[BenchRequest], send: Send, *, concurrency: int | None, label: str
 ) -> list[RequestRecord]:
     """Send every request; with a concurrency, keep that many in flight; else follow their arrival times."""
+    progress = tqdm(total=len(requests), desc=label, unit="req", leave=False)
+    slots = asyncio.Semaphore(concurrency or len(requests))
+    start = time.perf_counter()
+
+    async def paced(request: BenchRequest) -> RequestRecord:
+        delay = start + request.arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with slots:
+            record = await send(request)
+        progress.update()
+        return record
+
+    records = await asyncio.gather(*(paced(request) for request in requests))
+    progress.close()
+    return list(records)
+
+
+@asynccontextmanager
+async def grpc_target(
+    address: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> AsyncIterator[Send]:
+    """A sender to pagedserve's frontend at address, over one channel."""
     if credentials is None:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     else:
         channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
     async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        progress = tqdm(total=len(requests), desc=label, unit="req", leave=False)
-        slots = asyncio.Semaphore(concurrency or len(requests))
-        start = time.perf_counter()
 
         async def send(request: BenchRequest) -> RequestRecord:
-            delay = start + request.arrival - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            async with slots:
-                record = await _one(stub, request, metadata)
-            progress.update()
-            return record
+            return await _one(stub, request, metadata)
 
-        records = await asyncio.gather(*(send(request) for request in requests))
-        progress.close()
-    return list(records)
+        yield send
 
 
 async def _one(

@@ -1,6 +1,8 @@
-"""`pagedserve bench`: load a running stack over gRPC and report latency percentiles, throughput, goodput,
-errors, KV fragmentation, prefix hits and preemptions; with --baseline hf, run the same workload through
-transformers in this process and print them side by side. Writes bench.json and bench.png to --out.
+"""`pagedserve bench`: load running servers and report latency percentiles, throughput, goodput, errors,
+and, for pagedserve, KV fragmentation, prefix hits and preemptions. The targets are pagedserve's frontend
+(gRPC) and any OpenAI-compatible server (--target vllm=http://host:port): each gets the same requests, one
+target after another, and they land in one table, one bench.json and one bench.png in --out. With
+--baseline hf, the same workload also runs through transformers in this process.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from pagedserve.v1 import generation_pb2
 from services.bench import report
-from services.bench.load import run_load
+from services.bench.load import drive, grpc_target
+from services.bench.openai import openai_target
 from services.bench.results import Slo, summarize
 from services.bench.scrape import KvSampler
 from services.bench.workloads import WorkloadSpec, make_requests
@@ -31,6 +33,14 @@ def _range(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the frontend (default: %(default)s)")
+    parser.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=ADDRESS",
+        help="a server to load, repeatable: NAME=host:port for pagedserve's frontend, NAME=http://host:port "
+        "for an OpenAI-compatible one (default: pagedserve=--address)",
+    )
     parser.add_argument("--workload", choices=["fixed", "random", "shared-prefix"], default="random")
     parser.add_argument("--requests", type=int, default=32, help="requests per run")
     load = parser.add_mutually_exclusive_group()
@@ -49,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoints", type=Path, help="endpoints.json from `pagedserve up`: metrics to read")
     parser.add_argument("--metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
     parser.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers")
-    parser.add_argument("--model", help="the model folder for the baseline (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        help="the model folder, for the baseline and the vocabulary when no pagedserve target is loaded "
+        "(default: SmolLM2-135M-Instruct); an OpenAI target's model name (default: its first model)",
+    )
     parser.add_argument(
         "--hf-batch-size", type=int, help="static batch size (default: the concurrency, or 16)"
     )
@@ -62,16 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with Client(args.address, token=args.token, tls_ca=args.tls_ca) as client:
-        if args.wait:
-            client.wait_ready(args.wait)
-        info = client.model_info()
-        connection = {"credentials": client.credentials, "metadata": client.metadata}
+    targets = dict(_target(text) for text in args.target) or {"pagedserve": args.address}
+    grpc_address = next((address for address in targets.values() if not _is_http(address)), None)
+    vocab_size, model_id, connection = _pagedserve_facts(args, grpc_address)
     spec = WorkloadSpec.named(args.workload, args.input_len, args.output_len, args.prefix_len)
     by_rate = args.rate is not None
     levels = args.rate or args.concurrency or [4.0]
     load_name = "rate (req/s)" if by_rate else "concurrency"
-    vocab = range(min(100, info.vocab_size - 1), info.vocab_size)  # past the special tokens at the start
+    vocab = range(min(100, vocab_size - 1), vocab_size)  # past the special tokens at the start
     # A seed per level: a later run must not find the earlier one's prompts in the prefix cache.
     workloads = {
         level: make_requests(
@@ -83,20 +95,22 @@ def run(args: argparse.Namespace) -> int:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     runs: list[dict] = []
     records = {}
-    for level, requests in workloads.items():
-        sampler = KvSampler(metrics)
-        concurrency = None if by_rate else int(level)
-        label = f"pagedserve {level:g}"
-        recs = asyncio.run(_measure(args.address, requests, concurrency, sampler, label, connection))
-        runs.append(
-            {"system": "pagedserve", "load": level, "summary": summarize(recs, slo), "kv": sampler.summary()}
-        )
-        records[("pagedserve", level)] = recs
+    for name, address in targets.items():
+        for level, requests in workloads.items():
+            sampler = KvSampler([] if _is_http(address) else metrics)
+            concurrency = None if by_rate else int(level)
+            recs = asyncio.run(
+                _measure(address, args.model, requests, concurrency, sampler, f"{name} {level:g}", connection)
+            )
+            runs.append(
+                {"system": name, "load": level, "summary": summarize(recs, slo), "kv": sampler.summary()}
+            )
+            records[(name, level)] = recs
     if args.baseline == "hf":
-        runs += _baselines(args, workloads, info, slo, records, by_rate)
+        runs += _baselines(args, workloads, slo, records, by_rate)
     args.out.mkdir(parents=True, exist_ok=True)
     config = {"workload": vars(spec), "requests": args.requests, "load": load_name, "levels": levels,
-              "model_id": info.model_id, "address": args.address}  # fmt: skip
+              "model_id": model_id, "targets": targets}  # fmt: skip
     report.write_json(args.out / "bench.json", config, runs)
     report.plot(args.out / "bench.png", runs, records, load_name)
     print(report.table(runs, load_name))
@@ -106,11 +120,50 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(not run["summary"]["errors"] for run in runs) else 1
 
 
+def _target(text: str) -> tuple[str, str]:
+    name, sep, address = text.partition("=")
+    if not sep or not name or not address:
+        raise SystemExit(f"pagedserve bench: error: --target takes NAME=ADDRESS, got {text!r}")
+    return name, address
+
+
+def _is_http(address: str) -> bool:
+    return address.startswith(("http://", "https://"))
+
+
+def _pagedserve_facts(args: argparse.Namespace, address: str | None) -> tuple[int, str, dict]:
+    """The vocabulary size, model id and connection settings, from pagedserve's frontend if one is loaded,
+    else from the model folder."""
+    if address is None:
+        from transformers import AutoConfig
+
+        from services.common.default_model import model_identity, resolve_model
+
+        folder = resolve_model(args.model)
+        return int(AutoConfig.from_pretrained(folder).vocab_size), model_identity(folder), {}
+    with Client(address, token=args.token, tls_ca=args.tls_ca) as client:
+        if args.wait:
+            client.wait_ready(args.wait)
+        info = client.model_info()
+        return (
+            info.vocab_size,
+            info.model_id,
+            {"credentials": client.credentials, "metadata": client.metadata},
+        )
+
+
 async def _measure(
-    address: str, requests: list, concurrency: int | None, sampler: KvSampler, label: str, connection: dict
+    address: str,
+    model: str | None,
+    requests: list,
+    concurrency: int | None,
+    sampler: KvSampler,
+    label: str,
+    connection: dict,
 ) -> list:
-    async with sampler.running():
-        return await run_load(address, requests, concurrency=concurrency, label=label, **connection)
+    target = openai_target(address, model) if _is_http(address) else grpc_target(address, **connection)
+    async with target as send, sampler.running():
+        return await drive(requests, send, concurrency=concurrency, label=label)
 
 
 def _worker_metrics(endpoints: Path | None) -> list[str]:
@@ -121,12 +174,7 @@ def _worker_metrics(endpoints: Path | None) -> list[str]:
 
 
 def _baselines(
-    args: argparse.Namespace,
-    workloads: dict,
-    info: generation_pb2.ModelInfo,
-    slo: Slo,
-    records: dict,
-    by_rate: bool,
+    args: argparse.Namespace, workloads: dict, slo: Slo, records: dict, by_rate: bool
 ) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +182,7 @@ def _baselines(
     from services.common.default_model import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model)).eval()
-    eos = list(info.eos_token_ids)
+    eos = [int(token) for token in _as_list(model.generation_config.eos_token_id)]
     runs = []
     pad = eos[0] if eos else 0
     # Static first: the continuous-batching manager may switch the model's attention implementation.
@@ -149,3 +197,7 @@ def _baselines(
             runs.append({"system": system, "load": level, "summary": summarize(recs, slo), "kv": None})
             records[(system, level)] = recs
     return runs
+
+
+def _as_list(value: object) -> list:
+    return list(value) if isinstance(value, list | tuple) else ([] if value is None else [value])
