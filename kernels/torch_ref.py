@@ -55,19 +55,28 @@ class TorchBackend:
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         n = meta.num_decodes
-        if n and q.is_cuda:  # one group, padded to decode_max_len, which CUDA graphs fix
-            out[:n] = self._decode(
-                q[:n], kv_layer, meta.block_tables[:n], meta.seq_lens[:n], meta.decode_max_len, scale
-            )
-        elif n:
-            for rows, max_len in self._decode_groups(meta, kv_layer.shape[2]):
-                out[rows] = self._decode(
-                    q[rows], kv_layer, meta.block_tables[rows], meta.seq_lens[rows], max_len, scale
-                )
+        if n:
+            out[:n] = self._decode_all(q[:n], kv_layer, meta, scale)
         for s in range(n, meta.num_seqs):
             start, end = meta.query_start_host[s], meta.query_start_host[s + 1]
             out[start:end] = self._prefill(
                 q[start:end], kv_layer, meta.block_tables[s], meta.seq_lens_host[s], scale
+            )
+        return out
+
+    def _decode_all(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention for the step's decodes, the first meta.num_decodes sequences: q [n, Hq, D]."""
+        n = q.shape[0]
+        if q.is_cuda:  # one group, padded to decode_max_len, which CUDA graphs fix
+            return self._decode(
+                q, kv_layer, meta.block_tables[:n], meta.seq_lens[:n], meta.decode_max_len, scale
+            )
+        out = torch.empty_like(q)
+        for rows, max_len in self._decode_groups(meta, kv_layer.shape[2]):
+            out[rows] = self._decode(
+                q[rows], kv_layer, meta.block_tables[rows], meta.seq_lens[rows], max_len, scale
             )
         return out
 

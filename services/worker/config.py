@@ -43,8 +43,10 @@ class WorkerConfig:
     )
     page_size: PageSize = setting(16, "tokens a KV page holds")
     threads: int = setting(0, "torch threads; 0 keeps torch's choice", check=not_negative)
-    kernels: Literal["auto", "torch", "cupy"] = setting(
-        "auto", "attention and fused kernels: auto takes CuPy's on CUDA, torch's on the CPU"
+    kernels: Literal["auto", "torch", "cpu", "cupy"] = setting(
+        "auto",
+        "attention and fused kernels: auto takes CuPy's on CUDA, and on the CPU the C++ decode attention "
+        "(torch's where it cannot be built); torch is the reference everywhere",
     )
     cuda_graphs: bool = setting(True, "replay decode steps as CUDA graphs (CUDA only)")
     stall_timeout_s: float = setting(
@@ -63,6 +65,8 @@ class WorkerConfig:
         check_settings(self)
         if self.kernels == "cupy" and self.device == "cpu":
             raise ValueError("the CuPy kernels need --device cuda")
+        if self.kernels == "cpu" and self.device != "cpu":
+            raise ValueError("the C++ CPU kernels need --device cpu")
 
     @property
     def daemon_address(self) -> str | None:
@@ -70,9 +74,9 @@ class WorkerConfig:
         return self.daemon if self.kv == "daemon" else None
 
     @property
-    def kernel_backend(self) -> Literal["torch", "cupy"]:
+    def kernel_backend(self) -> Literal["torch", "cpu", "cupy"]:
         if self.kernels == "auto":
-            return "torch" if self.device == "cpu" else "cupy"
+            return "cpu" if self.device == "cpu" else "cupy"
         return self.kernels
 
     @property

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kernels import KernelBackend, TorchBackend
+from kernels.cpu_backend import CpuBackend, cpu_ops
 from memory_daemon.shape import PoolShape
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
@@ -49,6 +50,8 @@ def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
         from kernels.cupy_backend import CupyBackend
 
         return CupyBackend(device)
+    if config.kernel_backend == "cpu" and (ops := cpu_ops()) is not None:
+        return CpuBackend(ops)
     return TorchBackend()
 
 

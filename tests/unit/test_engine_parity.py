@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from kernels import TorchBackend
+from kernels import KernelBackend, TorchBackend
+from kernels.cpu_backend import CpuBackend, cpu_ops
 from memory_daemon.shape import PoolShape
 from services.common.sampling import SamplingOptions
 from services.worker.core.engine import EngineConfig, EngineCore
@@ -60,11 +61,21 @@ class Family:
         return out.sequences[0, len(prompt) :].tolist(), logprobs
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+def backend(name: str) -> KernelBackend:
+    if name == "torch":
+        return TorchBackend()
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    return CpuBackend(ops)
+
+
+@pytest.fixture(scope="module", params=[(f, b) for b in ("torch", "cpu") for f in FAMILIES], ids="-".join)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
-    folder = make_model(request.param, tmp_path_factory.mktemp(request.param))
+    name, kernels = request.param
+    folder = make_model(name, tmp_path_factory.mktemp(name))
     model = CausalLM.from_pretrained(
-        folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
+        folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels)
     )
     return Family(model, AutoModelForCausalLM.from_pretrained(folder).eval())
 

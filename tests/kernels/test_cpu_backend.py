@@ -1,0 +1,98 @@
+"""The C++ CPU decode attention against the torch reference, on fresh random inputs: every slot it must not
+read (pages nobody owns, the rest of each sequence's last page) holds NaN."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu_backend import CpuBackend, cpu_ops
+from kernels.torch_ref import TorchBackend
+from tests.kernels.references import (
+    KV_HEADS,
+    fused_qkv,
+    poison_pages,
+    poison_slots,
+    random_pool,
+    random_tables,
+    unowned_pages,
+)
+from tests.kernels.steps import Chunk, generator, make_metadata
+
+# Where a compiler is present the build must succeed: a silent fallback would hide a broken kernel here.
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")
+OPS = cpu_ops() if shutil.which("c++") else None
+CASES = list(itertools.product((8, 16, 32), (16, 64, 128), (1, 3, 4)))
+
+
+def run_both(
+    seed: int, lengths: list[int], page_size: int, head_dim: int, group: int, prefill: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decodes of these lengths (and a prefill chunk of `prefill` tokens after them) through both backends."""
+    gen = generator(seed)
+    tables = random_tables(gen, [*lengths, prefill or 1], page_size)
+    kv_layer = random_pool(gen, page_size, head_dim, torch.float32)[0]
+    poison_pages(kv_layer, unowned_pages(tables))  # not the null page: the reference pads with it
+    for table, n in zip(tables, lengths, strict=False):
+        poison_slots(kv_layer, table, range(n, len(table) * page_size))  # the stale tail of the last page
+    chunks = [Chunk(table, n - 1, 1) for table, n in zip(tables, lengths, strict=False)]
+    if prefill:
+        chunks.append(Chunk(tables[-1], 0, prefill))
+    q, _, _ = fused_qkv(gen, len(lengths) + prefill, group * KV_HEADS, head_dim, torch.float32)
+    meta = make_metadata(chunks[: len(lengths)], chunks[len(lengths) :], page_size)
+    scale = head_dim**-0.5
+    assert OPS is not None
+    reference = TorchBackend().paged_attention(q, kv_layer.clone(), meta, scale)
+    return CpuBackend(OPS).paged_attention(q, kv_layer, meta, scale), reference
+
+
+@pytest.mark.parametrize(("page_size", "head_dim", "group"), CASES)
+def test_decode_matches_the_reference_and_reads_no_slot_past_a_length(
+    page_size: int, head_dim: int, group: int
+) -> None:
+    lengths = [2 * page_size + 3, 1, 3 * page_size, page_size, 5 * page_size - 1]
+    actual, expected = run_both(page_size * 7 + head_dim + group, lengths, page_size, head_dim, group)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_far_apart_in_length_beside_a_prefill_chunk() -> None:
+    actual, expected = run_both(11, [1, 231, 15, 8], page_size=8, head_dim=64, group=3, prefill=20)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:
+    kv_layer = torch.zeros(2, 4, 8, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    assert OPS is not None
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        OPS.paged_decode(q, kv_layer, torch.tensor([[9]]), torch.tensor([3]), 1.0)
+
+
+def test_one_sequence_alone_splits_its_heads_across_threads() -> None:
+    actual, expected = run_both(12, [77], page_size=16, head_dim=64, group=3)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_with_no_compiler_the_worker_runs_the_torch_reference(tmp_path: Path) -> None:
+    """A fresh cache and a compiler that is not there: the build fails, and the backend is torch's."""
+    script = (
+        "import torch; from kernels.cpu_backend import cpu_ops; "
+        "from services.worker.config import WorkerConfig; from services.worker.server import kernel_backend; "
+        "assert cpu_ops() is None; "
+        "print(kernel_backend(WorkerConfig(device='cpu'), torch.device('cpu')).name)"
+    )
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "torch"
+    assert "could not be built" in done.stderr
