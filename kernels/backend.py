@@ -84,3 +84,6 @@ class KernelBackend(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2 * I] holds gate then up; returns silu(gate) * up, [T, I]."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] W^T [K, N] (+ bias [N]): F.linear."""

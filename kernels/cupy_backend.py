@@ -4,6 +4,7 @@ the device's architecture. Every launch goes on torch's current stream."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import cuda_ops
 from kernels.backend import AttentionMetadata
@@ -58,3 +59,6 @@ class CupyBackend:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return cuda_ops.silu_and_mul(x, self.tuning)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)  # cuBLAS

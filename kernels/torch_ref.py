@@ -100,6 +100,9 @@ class TorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
     @staticmethod
     def _gather(kv_layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given pages [..., n] as [..., n * B, Hkv, D]: one row copy per page."""

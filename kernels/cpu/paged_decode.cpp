@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -28,6 +27,76 @@ void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor&
               "block_tables must be a contiguous int64 [S, W]");
   TORCH_CHECK(lens.dim() == 1 && lens.size(0) == q.size(0) && lens.scalar_type() == torch::kInt64,
               "seq_lens must be an int64 [S]");
+}
+
+
+// One task: a sequence's KV heads [h0, h1), its queries at q and its output at out. K and V are read page
+// by page, each page once while it sits in L1; kDim, when not 0, is the head size known at compile time,
+// which lets the compiler unroll the rows.
+template <int64_t kDim>
+void decode_task(const float* q, const float* k_data, const float* v_data, const int64_t* table, int64_t len,
+                 int64_t h0, int64_t h1, int64_t group, int64_t page_size, int64_t kv_heads, int64_t pages,
+                 int64_t dim_rt, float factor, float* out, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  const int64_t rows = (h1 - h0) * group;
+  const int64_t row_stride = kv_heads * dim;  // floats between consecutive tokens of a page
+  scores.resize(rows * len);
+  for (int64_t first = 0; first < len; first += page_size) {
+    const int64_t page = table[first / page_size];
+    TORCH_CHECK(page >= 0 && page < pages, "block_tables holds page ", page, ", outside the pool");
+    const int64_t count = std::min(page_size, len - first);
+    const float* base = k_data + page * page_size * row_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (h - h0) * group + g;
+        const float* query = q + r * dim;
+        float* row = scores.data() + r * len + first;
+        for (int64_t t = 0; t < count; ++t) {
+          const float* key = base + t * row_stride + h * dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+          row[t] = dot * factor;
+        }
+      }
+    }
+  }
+  std::vector<float> total(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores.data() + r * len;
+    float top = row[0];
+    for (int64_t t = 1; t < len; ++t) top = std::max(top, row[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - top);
+      sum += row[t];
+    }
+    total[r] = 1.0f / sum;
+  }
+  acc.assign(rows * dim, 0.0f);
+  for (int64_t first = 0; first < len; first += page_size) {
+    const int64_t page = table[first / page_size];
+    const int64_t count = std::min(page_size, len - first);
+    const float* base = v_data + page * page_size * row_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (h - h0) * group + g;
+        const float* weights = scores.data() + r * len + first;
+        float* into = acc.data() + r * dim;
+        for (int64_t t = 0; t < count; ++t) {
+          const float w = weights[t];
+          const float* value = base + t * row_stride + h * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) into[d] += w * value[d];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * total[r];
+  }
 }
 
 }  // namespace
@@ -50,63 +119,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* out_data = out.data_ptr<float>();
   const float factor = static_cast<float>(scale);
+  const auto task_of_dim = dim == 64 ? decode_task<64> : dim == 128 ? decode_task<128> : decode_task<0>;
 
   // A task is a sequence's KV heads [h0, h1): all of them when there are sequences enough to keep every
-  // thread busy, so that each K and V row (all heads, contiguous) is read once; else one head a task.
+  // thread busy, so that each page is read once; else one head a task.
   const int64_t split = seqs >= at::get_num_threads() ? 1 : kv_heads;
   const int64_t heads_per_task = kv_heads / split;
   at::parallel_for(0, seqs * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc;
-    std::vector<float> total;
+    std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / split, h0 = task % split * heads_per_task, len = len_of[s];
-      const int64_t rows = heads_per_task * group;  // the query heads of this task
-      const float* queries = q_data + (s * q_heads + h0 * group) * dim;
-      const int64_t* table = tables + s * width;
-      scores.assign(rows * len, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {  // scores[r, t] = q_r . k_t, r = (h - h0) * group + g
-        const int64_t page = table[t / page_size];
-        TORCH_CHECK(page >= 0 && page < pages, "block_tables holds page ", page, ", outside the pool");
-        const float* keys = k_data + ((page * page_size + t % page_size) * kv_heads + h0) * dim;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* query = queries + r * dim;
-          const float* key = keys + (r / group) * dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
-          scores[r * len + t] = dot * factor;
-        }
-      }
-      total.assign(rows, 0.0f);
-      for (int64_t r = 0; r < rows; ++r) {  // softmax over t, kept unnormalized until the end
-        float* row = scores.data() + r * len;
-        const float top = *std::max_element(row, row + len);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) sum += (row[t] = std::exp(row[t] - top));
-        total[r] = sum;
-      }
-      acc.assign(rows * dim, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {  // acc[r] = sum_t p[r, t] v_t
-        const int64_t page = table[t / page_size];
-        const float* values = v_data + ((page * page_size + t % page_size) * kv_heads + h0) * dim;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float weight = scores[r * len + t];
-          const float* value = values + (r / group) * dim;
-          float* into = acc.data() + r * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) into[d] += weight * value[d];
-        }
-      }
-      float* result = out_data + (s * q_heads + h0 * group) * dim;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t d = 0; d < dim; ++d) result[r * dim + d] = acc[r * dim + d] / total[r];
-      }
+      const int64_t s = task / split, h0 = task % split * heads_per_task;
+      const int64_t offset = (s * q_heads + h0 * group) * dim;
+      task_of_dim(q_data + offset, k_data, v_data, tables + s * width, len_of[s], h0, h0 + heads_per_task, group,
+                  page_size, kv_heads, pages, dim, factor, out_data + offset, scores, acc);
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the pool's pages (float32, CPU)");
 }

@@ -73,7 +73,7 @@ class CausalLM:
         residual = None
         for i, layer in enumerate(w.layers):
             x, residual = be.rms_norm(hidden, layer.input_norm, eps, residual)
-            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
+            q, k, v = be.linear(x, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
             q = q.view(tokens, spec.num_heads, spec.head_dim)
             k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
             v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
@@ -83,11 +83,11 @@ class CausalLM:
             q, k = be.rotary(q, k, positions, self.cos_sin)
             be.write_kv(kv[i], k, v, meta.slot_mapping)
             attn = be.paged_attention(q, kv[i], meta, self.scale)
-            hidden = F.linear(attn.view(tokens, -1), layer.o, layer.o_bias)
+            hidden = be.linear(attn.view(tokens, -1), layer.o, layer.o_bias)
             x, residual = be.rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
-            hidden = F.linear(be.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            gate_up = be.linear(x, layer.gate_up, layer.gate_up_bias)
+            hidden = be.linear(be.silu_and_mul(gate_up), layer.down, layer.down_bias)
         # Only the rows that sample need the final norm and the vocabulary projection.
         assert residual is not None
         x, _ = be.rms_norm(hidden[logits_indices], w.norm, eps, residual[logits_indices])
-        return F.linear(x, w.lm_head).float()
+        return be.linear(x, w.lm_head).float()

@@ -1,0 +1,23 @@
+// The CPU ops as one Python module (kernels/cpu_backend.py builds and loads it).
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale);
+std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                                   std::optional<torch::Tensor> residual);
+std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                                                torch::Tensor cos_sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over the pool's pages");
+  m.def("rms_norm", &rms_norm, "RMSNorm, after adding the residual where one is given");
+  m.def("rotary", &rotary, "half-split rotary embedding of q and k, in place");
+  m.def("skinny_linear", &skinny_linear, "x W^T (+ bias) for a few rows of x, streaming W once");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
+}

@@ -1,0 +1,109 @@
+"""Benchmark the C++ CPU ops against torch on this machine: the few-row GEMM, then whole decode steps.
+
+    python scripts/bench_cpu_ops.py [--threads 2] [--rows 1,2,4,8,16,32]
+
+1. GEMMs of SmolLM2-135M's layer shapes, with a separate weight per layer (30 layers, 424 MB) so that they
+   stream from memory as in a decode step: MKL's F.linear against skinny_linear, per number of rows.
+2. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
+   the torch reference backend against the C++ one, median step time.
+Machines are noisy: compare the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import KernelBackend, TorchBackend  # noqa: E402
+from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from memory_daemon.shape import PoolShape  # noqa: E402
+from services.common.default_model import default_model_dir  # noqa: E402
+from services.common.sampling import SamplingOptions  # noqa: E402
+from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.kv.local import LocalKVCache  # noqa: E402
+from services.worker.models import CausalLM  # noqa: E402
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # QKV, O, gate-up, down: [N, K]
+
+
+def seconds(run: Callable[[], object], repeats: int) -> float:
+    run()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - start) / repeats
+
+
+def bench_gemms(ops: ModuleType, rows: list[int]) -> None:
+    weights = [torch.randn(n, k) for _ in range(30) for n, k in LAYER_SHAPES]
+    print("| rows | MKL F.linear ms | skinny_linear ms | ratio |\n|---|---|---|---|")
+    for m in rows:
+        inputs = {k: torch.randn(m, k) for k in (576, 1536)}
+        pairs = [(inputs[w.shape[1]], w) for w in weights]
+        mkl = seconds(lambda pairs=pairs: [F.linear(x, w) for x, w in pairs], 10)
+        ours = seconds(lambda pairs=pairs: [ops.skinny_linear(x, w, None) for x, w in pairs], 10)
+        print(f"| {m} | {mkl * 1e3:.1f} | {ours * 1e3:.1f} | {mkl / ours:.2f}x |")
+
+
+def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
+    spec = model.spec
+    kv = LocalKVCache(PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16), 2048)
+    engine = EngineCore(model, kv, EngineConfig(max_batched_tokens=4096, max_num_seqs=64))
+    rng = random.Random(0)
+    options = SamplingOptions(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for key in range(sequences):
+        engine.add_request(key, [rng.randrange(100, 40000) for _ in range(rng.randint(64, 128))], options)
+    engine.step()  # every prompt in one prefill step
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_steps(backends: dict[str, KernelBackend], rows: list[int]) -> None:
+    models = {
+        name: CausalLM.from_pretrained(
+            default_model_dir(), dtype=torch.float32, device=torch.device("cpu"), backend=backend
+        )
+        for name, backend in backends.items()
+    }
+    print(f"\n| sequences | {' | '.join(f'{name} step ms' for name in models)} | ratio |\n|---|---|---|---|")
+    for n in rows:
+        ms = [decode_step_ms(model, n) for model in models.values()]
+        print(f"| {n} | {' | '.join(f'{t:.1f}' for t in ms)} | {ms[0] / ms[-1]:.2f}x |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's choice")
+    parser.add_argument("--rows", default="1,2,4,8,16,32")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    ops = cpu_ops()
+    if ops is None:
+        print("the C++ CPU ops could not be built here", file=sys.stderr)
+        return 1
+    print(f"{torch.get_num_threads()} threads\n")
+    bench_gemms(ops, rows)
+    bench_steps({"torch": TorchBackend(), "cpu": CpuBackend(ops)}, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
