@@ -32,18 +32,19 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from kernels import TorchBackend  # noqa: E402
 from memory_daemon.shape import PoolShape  # noqa: E402
 from pagedserve.plumbing.rpc import wait_for_health  # noqa: E402
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.common.wire import sampling_to_pb  # noqa: E402
+from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.base import KVCache  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.kv.remote import DaemonKVCache  # noqa: E402
 from services.worker.models import CausalLM  # noqa: E402
+from services.worker.server import kernel_backend  # noqa: E402
 
 KV_BYTES = 512 * 2**20
 Step = tuple[int, int, float]
@@ -245,14 +246,15 @@ def main() -> int:
     torch.manual_seed(0)
     model_dir = default_model_dir()
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), n, args.prompt_tokens)
-    model = CausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
-    )
+    cpu = torch.device("cpu")
+    backend = kernel_backend(WorkerConfig(device="cpu"), cpu)  # the worker's own choice: the C++ ops
+    model = CausalLM.from_pretrained(model_dir, dtype=torch.float32, device=cpu, backend=backend)
     config = EngineConfig(
         max_batched_tokens=args.max_batched_tokens, max_num_seqs=max(n, 16), prefix_caching=False
     )
     threads = torch.get_num_threads()
-    print(f"SmolLM2-135M fp32, {threads} threads: {n} requests x {args.prompt_tokens} prompt tokens "
+    print(f"SmolLM2-135M fp32, {backend.name} kernels, {threads} threads: {n} requests x "
+          f"{args.prompt_tokens} prompt tokens "
           f"-> {out_len} output tokens, greedy; max_batched_tokens {config.max_batched_tokens}")  # fmt: skip
     results, step_logs = engine_throughputs(model, config, prompts, out_len)
     results |= hf_throughputs(model_dir, prompts, out_len)

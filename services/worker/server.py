@@ -65,6 +65,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     model_dir = resolve_model(config.model)
     device = torch.device(config.device)
     backend = kernel_backend(config, device)
+    log.info("kernels: %s, on %d torch threads", backend.name, torch.get_num_threads())
     model = CausalLM.from_pretrained(model_dir, dtype=config.torch_dtype, device=device, backend=backend)
     spec = model.spec
     model_id = config.model_id or model_identity(model_dir)
