@@ -64,7 +64,11 @@ def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
     rng = random.Random(0)
     options = SamplingOptions(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for key in range(sequences):
-        engine.add_request(key, [rng.randrange(100, 40000) for _ in range(rng.randint(64, 128))], options)
+        engine.add(
+            engine.new_sequence(
+                key, [rng.randrange(100, 40000) for _ in range(rng.randint(64, 128))], options
+            )
+        )
     engine.step()  # every prompt in one prefill step
     times = []
     for _ in range(steps):

@@ -53,7 +53,9 @@ def main() -> int:
     engine = EngineCore(model, kv, EngineConfig(max_num_seqs=args.requests, prefix_caching=False))
     options = SamplingOptions(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     for key, length in enumerate(lengths):
-        engine.add_request(key, [rng.randint(100, spec.vocab_size - 1) for _ in range(length)], options)
+        engine.add(
+            engine.new_sequence(key, [rng.randint(100, spec.vocab_size - 1) for _ in range(length)], options)
+        )
     decode_step = (args.requests, args.requests)  # (tokens, sampled rows): every request decodes
     while engine.last_batch != decode_step:
         engine.step()  # prefill every prompt

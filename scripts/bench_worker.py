@@ -68,7 +68,7 @@ def run_in_lockstep(
     options = SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         for key, prompt in enumerate(prompts):
-            engine.add_request(key, prompt, options)
+            engine.add(engine.new_sequence(key, prompt, options))
     steps: dict[str, list[Step]] = {name: [] for name in engines}
     while any(engine.has_unfinished() for engine in engines.values()):
         for name, engine in engines.items():

@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <optional>
 #include <cmath>
 #include <tuple>
 

@@ -36,7 +36,8 @@ void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor&
 template <int64_t kDim>
 void decode_task(const float* q, const float* k_data, const float* v_data, const int64_t* table, int64_t len,
                  int64_t h0, int64_t h1, int64_t group, int64_t page_size, int64_t kv_heads, int64_t pages,
-                 int64_t dim_rt, float factor, float* out, std::vector<float>& scores, std::vector<float>& acc) {
+                 int64_t dim_rt, float factor, float* out, std::vector<float>& scores, std::vector<float>& acc,
+                 std::vector<float>& total) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t rows = (h1 - h0) * group;
   const int64_t row_stride = kv_heads * dim;  // floats between consecutive tokens of a page
@@ -61,7 +62,7 @@ void decode_task(const float* q, const float* k_data, const float* v_data, const
       }
     }
   }
-  std::vector<float> total(rows);
+  total.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = scores.data() + r * len;
     float top = row[0];
@@ -126,12 +127,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
   const int64_t split = seqs >= at::get_num_threads() ? 1 : kv_heads;
   const int64_t heads_per_task = kv_heads / split;
   at::parallel_for(0, seqs * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores, acc, total;  // reused across a thread's tasks
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / split, h0 = task % split * heads_per_task;
       const int64_t offset = (s * q_heads + h0 * group) * dim;
       task_of_dim(q_data + offset, k_data, v_data, tables + s * width, len_of[s], h0, h0 + heads_per_task, group,
-                  page_size, kv_heads, pages, dim, factor, out_data + offset, scores, acc);
+                  page_size, kv_heads, pages, dim, factor, out_data + offset, scores, acc, total);
     }
   });
   return out;

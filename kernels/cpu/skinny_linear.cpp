@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <optional>
 
 namespace {
 

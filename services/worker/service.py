@@ -157,7 +157,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             options = sampling_from_pb(submit.sampling)
             key = (stream, submit.request_id)
-            self._engine.submit(key, submit.prompt_token_ids, options, submit.priority, submit.cache_salt)
+            core = self._engine.core
+            self._engine.submit(
+                core.new_sequence(key, submit.prompt_token_ids, options, submit.priority, submit.cache_salt)
+            )
         except StatusError as refusal:
             return error_fields(refusal)
         live.add(submit.request_id)

@@ -37,7 +37,9 @@ def test_a_step_stuck_past_the_floor_is_reported_and_clears_when_it_ends(tmp_pat
     try:
         assert loop.stalled(floor_s=0.2) is None  # idle is not stuck
         with mock.patch.object(loop.core, "step", stuck_step):
-            loop.submit("r", [5, 6, 7], SamplingOptions(max_tokens=2, temperature=0.0))
+            loop.submit(
+                loop.core.new_sequence("r", [5, 6, 7], SamplingOptions(max_tokens=2, temperature=0.0))
+            )
             why = wait_until(lambda: loop.stalled(floor_s=0.2), 10, "the stuck step to be noticed")
             assert why.startswith("the engine has been in one step for")
             release.set()

@@ -89,7 +89,7 @@ def run(
     engine: EngineCore, batch: list[list[int]], options: SamplingOptions = GREEDY
 ) -> dict[int, list[RequestOutput]]:
     for key, prompt in enumerate(batch):
-        engine.add_request(key, prompt, options)
+        engine.add(engine.new_sequence(key, prompt, options))
     outputs: dict[int, list[RequestOutput]] = defaultdict(list)
     for output in engine.run_until_done():
         outputs[output.key].append(output)  # type: ignore[index]

@@ -2,7 +2,7 @@
 
 It checks and admits requests, aborts them, and fails them all when the step cannot go on. It knows no
 thread (`loop` runs it in one), no gRPC and no protobuf (the servicer converts its outputs). Tests and
-benchmarks drive it directly with `add_request`, `step` and `run_until_done`.
+benchmarks drive it directly with `add(new_sequence(...))`, `step` and `run_until_done`.
 """
 
 from __future__ import annotations
@@ -96,16 +96,6 @@ class EngineCore:
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
-
-    def add_request(
-        self,
-        key: Hashable,
-        prompt_ids: Seq[int],
-        options: SamplingOptions,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> None:
-        self.add(self.new_sequence(key, prompt_ids, options, priority, cache_salt))
 
     def abort(self, key: Hashable) -> RequestOutput | None:
         """End a request now, freeing its pages; None if it is not running (it finished already)."""

@@ -14,11 +14,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 
 from pagedserve.plumbing.errors import Internal, Unavailable
-from services.common.sampling import SamplingOptions
 from services.worker.core.engine import EngineCore
 from services.worker.core.outputs import RequestOutput
 from services.worker.core.sequence import Sequence
@@ -49,19 +47,11 @@ class EngineLoop:
 
     # Called from any thread ------------------------------------------------------------------------
 
-    def submit(
-        self,
-        key: Hashable,
-        prompt_ids: Seq[int],
-        options: SamplingOptions,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> None:
-        """Queue a request; raises Unavailable while the pool is out of reach, and what the core's
-        `new_sequence` raises for a request it cannot run."""
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request checked by the core's `new_sequence`; raises Unavailable while the pool is out of
+        reach."""
         if self.suspended is not None:
             raise Unavailable(self.suspended)
-        seq = self.core.new_sequence(key, prompt_ids, options, priority, cache_salt)
         with self._wake:
             self._inbox.append(seq)
             self._wake.notify()
