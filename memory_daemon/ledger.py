@@ -7,11 +7,9 @@ Every usable page is in exactly one state:
   so that a lease's end drops exactly its own references. When the count falls to zero the page stays
   cached, evictable least recently used first, if it is in the index, and is freed otherwise (a page whose
   key was already cached by another page).
-Page 0 is the null page: never leased, so block tables can pad with it.
-
-Each indexed page's publisher is recorded (`publishers`), so that `drop_published` can take every entry
-of one worker out of the index, also after it went away.
-
+Page 0 is the null page: never leased, so block tables can pad with it. Each indexed page's publisher is
+recorded (`publishers`), so that `drop_published` can take a worker's entries out, also after it went away;
+each call that changes the index ends one batch of its events (`prefix_events`).
 `update` and `grant` check a whole request before changing anything, so bad input changes nothing and the
 counts stay exact. Misuse raises InvalidArgument, PermissionDenied or FailedPrecondition (the checks are in
 `checks`) with a message naming the page and the fix; "no room now" is None, not an error.
@@ -26,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from memory_daemon.checks import RequestChecks
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
-from memory_daemon.prefix import PrefixIndex
+from memory_daemon.prefix import PrefixIndex, Published
 from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
 from memory_daemon.stats import PoolCounts
@@ -68,8 +66,6 @@ class PageLedger(RequestChecks):
     @property
     def free_pages(self) -> int:
         return len(self._free)
-
-    # Leases ----------------------------------------------------------------------------------------
 
     def open_lease(self, name: str, model_id: str) -> Lease:
         lease = Lease(
@@ -129,6 +125,7 @@ class PageLedger(RequestChecks):
             self._holder[page] = lease
         lease.pages.update(pages)
         self._evict(self.low_watermark - self.free_pages)
+        self.index.commit()
         return pages
 
     def report_idle(self, lease: Lease, idle: int) -> None:
@@ -154,7 +151,7 @@ class PageLedger(RequestChecks):
         self,
         lease: Lease,
         *,
-        publish: Sequence[tuple[bytes, int]] = (),
+        publish: Sequence[Published | tuple[bytes, int]] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> int:
@@ -165,8 +162,9 @@ class PageLedger(RequestChecks):
         unref: drop one reference per entry.
         release: leased pages go back to the free list.
         """
-        published = [page for _, page in publish]
-        self._check_keys(key for key, _ in publish)
+        items = [Published(*item) for item in publish]
+        published = [item.page for item in items]
+        self._check_keys([item.key for item in items] + [item.parent for item in items if item.parent])
         self._check_leased_by(lease, published, "publish")
         self._check_leased_by(lease, release, "release")
         both = set(published) & set(release)
@@ -175,13 +173,14 @@ class PageLedger(RequestChecks):
         self._check_refs(lease, unref, set(published))
 
         indexed = 0
-        for key, page in publish:
+        for item in items:
+            page = item.page
             lease.pages.remove(page)
             self._holder[page] = None
             self._state[page] = PageState.SHARED
             self._refs[page] = 1
             lease.refs[page] += 1
-            if self.index.add(lease.model_id, key, page):
+            if self.index.add(lease.model_id, item.key, page, item.parent, item.token_ids):
                 self.publishers.record(page, lease)
                 indexed += 1
         for page, count in Counter(unref).items():
@@ -189,6 +188,7 @@ class PageLedger(RequestChecks):
         for page in release:
             lease.pages.remove(page)
             self._free_page(page)
+        self.index.commit()
         return indexed
 
     def lookup(self, lease: Lease, keys: Sequence[bytes]) -> list[int]:
@@ -217,15 +217,11 @@ class PageLedger(RequestChecks):
         returns how many. Idle ones go free now, referenced ones when their last reference drops."""
         if not (worker_id or name):
             raise InvalidArgument("name the publisher whose pages to drop: its worker_id or its name")
-        pages = self.publishers.pages_of(worker_id=worker_id, name=name)
-        for page in pages:
-            self.index.remove(page)
-            self.publishers.forget(page)
-            if self._refs[page] == 0:
-                self._free_page(page)
-        return len(pages)
+        return self._uncache(self.publishers.pages_of(worker_id=worker_id, name=name))
 
-    # Statistics ------------------------------------------------------------------------------------
+    def flush(self, model_id: str) -> int:
+        """Drop every cached page of model_id that no one references; returns how many."""
+        return self._uncache(self.index.idle_pages(model_id))
 
     def counts(self) -> PoolCounts:
         leased = sum(len(lease.pages) for lease in self.leases.values())
@@ -272,6 +268,15 @@ class PageLedger(RequestChecks):
         self._state[page] = PageState.FREE
         self._holder[page] = None
         self._free.append(page)
+
+    def _uncache(self, pages: list[int]) -> int:
+        for page in pages:
+            self.index.remove(page)
+            self.publishers.forget(page)
+            if self._refs[page] == 0:
+                self._free_page(page)
+        self.index.commit()
+        return len(pages)
 
     def _drop_refs(self, lease: Lease, page: int, count: int) -> None:
         lease.refs[page] -= count

@@ -11,10 +11,22 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
+
+from memory_daemon.prefix_events import ModelEvents, Stored
 
 ROOT_KEY = b""  # the chain's parent for an unsalted prompt
 KEY_BYTES = 16
 MAX_KEY_BYTES = 64
+
+
+class Published(NamedTuple):
+    """A page offered to the index: its chain key, and for the index's events its parent and tokens."""
+
+    key: bytes
+    page: int
+    parent: bytes = ROOT_KEY
+    token_ids: tuple[int, ...] = ()
 
 
 def salted_root(salt: str) -> bytes:
@@ -35,12 +47,24 @@ def page_keys(token_ids: Sequence[int], page_size: int, parent: bytes = ROOT_KEY
 
 
 class PrefixIndex:
-    """(model id, key) -> page, plus the least-recently-used order of pages no one references."""
+    """(model id, key) -> page, plus the least-recently-used order of pages no one references, and each
+    model's record of what entered and left (`prefix_events`)."""
 
     def __init__(self) -> None:
         self._page_by_key: dict[tuple[str, bytes], int] = {}
         self._key_by_page: dict[int, tuple[str, bytes]] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.events: dict[str, ModelEvents] = {}
+
+    def events_of(self, model_id: str) -> ModelEvents:
+        if model_id not in self.events:
+            self.events[model_id] = ModelEvents()
+        return self.events[model_id]
+
+    def commit(self) -> None:
+        """Close the changes so far into one numbered batch per model."""
+        for events in self.events.values():
+            events.commit()
 
     @property
     def cached_pages(self) -> int:
@@ -53,13 +77,16 @@ class PrefixIndex:
     def get(self, model_id: str, key: bytes) -> int | None:
         return self._page_by_key.get((model_id, key))
 
-    def add(self, model_id: str, key: bytes, page: int) -> bool:
+    def add(
+        self, model_id: str, key: bytes, page: int, parent: bytes = ROOT_KEY, token_ids: Sequence[int] = ()
+    ) -> bool:
         """Index page under key; False when the key already names another page."""
         assert page not in self._key_by_page, f"page {page} is indexed twice"
         if (model_id, key) in self._page_by_key:
             return False
         self._page_by_key[(model_id, key)] = page
         self._key_by_page[page] = (model_id, key)
+        self.events_of(model_id).stored(Stored(key, parent, tuple(token_ids)))
         return True
 
     def __contains__(self, page: int) -> bool:
@@ -77,10 +104,18 @@ class PrefixIndex:
         if not self._idle:
             return None
         page, _ = self._idle.popitem(last=False)
-        del self._page_by_key[self._key_by_page.pop(page)]
+        self._drop(page)
         return page
+
+    def idle_pages(self, model_id: str) -> list[int]:
+        return [page for page in self._idle if self._key_by_page[page][0] == model_id]
 
     def remove(self, page: int) -> None:
         """Drop an indexed page from the index (and from the idle order): no lookup finds it again."""
         self._idle.pop(page, None)
-        del self._page_by_key[self._key_by_page.pop(page)]
+        self._drop(page)
+
+    def _drop(self, page: int) -> None:
+        model_id, key = self._key_by_page.pop(page)
+        del self._page_by_key[(model_id, key)]
+        self.events[model_id].removed(key)

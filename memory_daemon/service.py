@@ -20,9 +20,10 @@ from memory_daemon.export import CudaStorage, ShmStorage, Storage
 from memory_daemon.lease import Lease as WorkerLease
 from memory_daemon.ledger import PageLedger
 from memory_daemon.pool import Pool
+from memory_daemon.prefix import Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
-from memory_daemon.wire import descriptor_to_pb, pool_stats_to_pb, shape_from_pb
+from memory_daemon.wire import batch_to_pb, descriptor_to_pb, pool_stats_to_pb, shape_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from pagedserve.plumbing.settings import cuda_index
@@ -91,9 +92,17 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self, request: memory_pb2.UpdateRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.UpdateResponse:
         pool, lease = self._find(request.lease_id)
+        for item in request.publish:
+            if len(item.token_ids) > pool.shape.page_size:
+                raise InvalidArgument(
+                    f"published page {item.page} names {len(item.token_ids)} tokens; a page holds "
+                    f"{pool.shape.page_size}"
+                )
         pool.ledger.update(
             lease,
-            publish=[(item.key, item.page) for item in request.publish],
+            publish=[
+                Published(item.key, item.page, item.parent, tuple(item.token_ids)) for item in request.publish
+            ],
             unref=list(request.unref),
             release=list(request.release),
         )
@@ -129,6 +138,27 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         log.warning("dropped %d cached pages published by %s, on request", dropped, who)
         return memory_pb2.DropPublishedResponse(pages=dropped)
 
+    async def WatchPrefixIndex(
+        self, request: memory_pb2.WatchPrefixIndexRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[memory_pb2.PrefixIndexBatch]:
+        subscription = (
+            self._model_pool(request.model_id)
+            .ledger.index.events_of(request.model_id)
+            .subscribe(request.after_sequence)
+        )
+        try:
+            while True:
+                yield batch_to_pb(await subscription.next())
+        finally:
+            subscription.close()
+
+    async def FlushPrefixIndex(
+        self, request: memory_pb2.FlushPrefixIndexRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.FlushPrefixIndexResponse:
+        pages = self._model_pool(request.model_id).ledger.flush(request.model_id)
+        log.info("flushed %d idle cached pages of model %r, on request", pages, request.model_id)
+        return memory_pb2.FlushPrefixIndexResponse(pages=pages)
+
     def pool_counts(self) -> list[tuple[int, PoolCounts]]:
         """Every pool's id and counts (call on the daemon's event loop, like any handler)."""
         return [(pool.pool_id, pool.ledger.counts()) for pool in self._pools.values()]
@@ -147,6 +177,12 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
                 f"unknown lease {lease_id!r}: attach first; a lease ends when its Attach stream closes"
             )
         return pool, pool.ledger.leases[lease_id]
+
+    def _model_pool(self, model_id: str) -> Pool:
+        shape = self._shape_by_model.get(model_id)
+        if shape is None:
+            raise NotFound(f"no worker of model {model_id!r} has attached to this daemon yet; start one")
+        return self._pools[shape]
 
     def _pool_for(self, request: memory_pb2.AttachRequest) -> Pool:
         if not request.model_id:

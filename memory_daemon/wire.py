@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
 from memory_daemon.pool import Pool
+from memory_daemon.prefix_events import Batch, Removed, Stored
 from memory_daemon.shape import DEFAULT_PAGE_SIZE, PoolShape
 from memory_daemon.stats import PoolCounts, PublisherUsage, WorkerUsage
 from pagedserve.memory.v1 import memory_pb2
@@ -70,3 +71,16 @@ def counts_from_pb(pb: memory_pb2.PoolStats) -> PoolCounts:
         workers=tuple(from_message(WorkerUsage, w) for w in pb.workers),
         publishers=tuple(from_message(PublisherUsage, p) for p in pb.publishers),
     )
+
+
+def batch_to_pb(batch: Batch) -> memory_pb2.PrefixIndexBatch:
+    pb = memory_pb2.PrefixIndexBatch(sequence=batch.sequence, timestamp=batch.timestamp)
+    for change in batch.changes:
+        if isinstance(change, Stored):
+            stored = memory_pb2.CachedPage(key=change.key, parent=change.parent, token_ids=change.token_ids)
+            pb.changes.add(stored=stored)
+        elif isinstance(change, Removed):
+            pb.changes.add(removed=change.key)
+        else:
+            pb.changes.add(cleared=True)
+    return pb

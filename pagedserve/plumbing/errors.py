@@ -68,6 +68,24 @@ class Unavailable(StatusError):
     code = "UNAVAILABLE"
 
 
+class OutOfRange(StatusError):
+    """The request names a position past what the service holds (a stream's sequence number, say)."""
+
+    code = "OUT_OF_RANGE"
+
+
+class DataLoss(StatusError):
+    """A stream lost messages its caller needed; the caller must start over."""
+
+    code = "DATA_LOSS"
+
+
+class Unimplemented(StatusError):
+    """The request asks for something this server does not do; the message says what it does instead."""
+
+    code = "UNIMPLEMENTED"
+
+
 class Internal(StatusError):
     """The service failed on a request that was not at fault; the log holds the details."""
 
@@ -83,6 +101,9 @@ _BY_CODE: dict[str, type[StatusError]] = {
         PermissionDenied,
         ResourceExhausted,
         Unavailable,
+        OutOfRange,
+        DataLoss,
+        Unimplemented,
         Internal,
     )
 }

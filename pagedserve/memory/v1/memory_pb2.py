@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/memory/v1/memory.proto\x12\x14pagedserve.memory.v1\"i\n\tPoolShape\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\"\xab\x01\n\rAttachRequest\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12.\n\x05shape\x18\x03 \x01(\x0b\x32\x1f.pagedserve.memory.v1.PoolShape\x12\x13\n\tnum_pages\x18\x04 \x01(\x03H\x00\x12\x16\n\x0cmemory_bytes\x18\x05 \x01(\x03H\x00\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\tB\x06\n\x04size\"\x1c\n\x0cSharedMemory\x12\x0c\n\x04path\x18\x01 \x01(\t\"B\n\x07\x43udaIpc\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"\xe1\x01\n\x0ePoolDescriptor\x12\x0f\n\x07pool_id\x18\x01 \x01(\r\x12.\n\x05shape\x18\x02 \x01(\x0b\x32\x1f.pagedserve.memory.v1.PoolShape\x12\x11\n\tnum_pages\x18\x03 \x01(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x31\n\x03shm\x18\x05 \x01(\x0b\x32\".pagedserve.memory.v1.SharedMemoryH\x00\x12-\n\x04\x63uda\x18\x06 \x01(\x0b\x32\x1d.pagedserve.memory.v1.CudaIpcH\x00\x42\t\n\x07storage\"y\n\x08\x41ttached\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x32\n\x04pool\x18\x03 \x01(\x0b\x32$.pagedserve.memory.v1.PoolDescriptor\x12\x14\n\x0crefill_pages\x18\x04 \x01(\x03\"\x18\n\x07Reclaim\x12\r\n\x05pages\x18\x01 \x01(\x03\"|\n\x0b\x41ttachEvent\x12\x32\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x1e.pagedserve.memory.v1.AttachedH\x00\x12\x30\n\x07reclaim\x18\x02 \x01(\x0b\x32\x1d.pagedserve.memory.v1.ReclaimH\x00\x42\x07\n\x05\x65vent\"N\n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04need\x18\x02 \x01(\x03\x12\x10\n\x08\x63onsumed\x18\x03 \x01(\x03\x12\x0c\n\x04idle\x18\x04 \x01(\x03\"H\n\rLeaseResponse\x12\r\n\x05pages\x18\x01 \x03(\r\x12\x14\n\x0crefill_pages\x18\x02 \x01(\x03\x12\x12\n\nfree_pages\x18\x03 \x01(\x03\"*\n\rPublishedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04page\x18\x02 \x01(\r\"\x85\x01\n\rUpdateRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x34\n\x07publish\x18\x02 \x03(\x0b\x32#.pagedserve.memory.v1.PublishedPage\x12\r\n\x05unref\x18\x03 \x03(\r\x12\x0f\n\x07release\x18\x04 \x03(\r\x12\x0c\n\x04idle\x18\x05 \x01(\x03\"$\n\x0eUpdateResponse\x12\x12\n\nfree_pages\x18\x01 \x01(\x03\"/\n\rLookupRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05pages\x18\x01 \x03(\r\"\x11\n\x0fGetStatsRequest\"\x9a\x01\n\x0bWorkerUsage\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x14\n\x0cleased_pages\x18\x04 \x01(\x03\x12\x12\n\nidle_pages\x18\x05 \x01(\x03\x12\x18\n\x10referenced_pages\x18\x06 \x01(\x03\x12\x14\n\x0crefill_pages\x18\x07 \x01(\x03\"Y\n\x0ePublisherUsage\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x04 \x01(\x03\"\xc7\x03\n\tPoolStats\x12\x0f\n\x07pool_id\x18\x01 \x01(\r\x12.\n\x05shape\x18\x02 \x01(\x0b\x32\x1f.pagedserve.memory.v1.PoolShape\x12\x13\n\x0btotal_pages\x18\x03 \x01(\x03\x12\x12\n\nfree_pages\x18\x04 \x01(\x03\x12\x14\n\x0cleased_pages\x18\x05 \x01(\x03\x12\x14\n\x0cshared_pages\x18\x06 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x07 \x01(\x03\x12\x17\n\x0f\x65victable_pages\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x16\n\x0eprefix_lookups\x18\n \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x0b \x01(\x03\x12\x1c\n\x14prefix_queried_pages\x18\x0c \x01(\x03\x12\x18\n\x10prefix_hit_pages\x18\r \x01(\x03\x12\x32\n\x07workers\x18\x0e \x03(\x0b\x32!.pagedserve.memory.v1.WorkerUsage\x12\x0f\n\x07storage\x18\x0f \x01(\t\x12\x38\n\npublishers\x18\x10 \x03(\x0b\x32$.pagedserve.memory.v1.PublisherUsage\"=\n\x0b\x44\x61\x65monStats\x12.\n\x05pools\x18\x01 \x03(\x0b\x32\x1f.pagedserve.memory.v1.PoolStats\"`\n\x14\x44ropPublishedRequest\x12\x13\n\tworker_id\x18\x01 \x01(\rH\x00\x12\x15\n\x0bworker_name\x18\x02 \x01(\tH\x00\x12\x0f\n\x07pool_id\x18\x03 \x01(\rB\x0b\n\tpublisher\"&\n\x15\x44ropPublishedResponse\x12\r\n\x05pages\x18\x01 \x01(\x03\x32\xa4\x04\n\x0cMemoryDaemon\x12R\n\x06\x41ttach\x12#.pagedserve.memory.v1.AttachRequest\x1a!.pagedserve.memory.v1.AttachEvent0\x01\x12P\n\x05Lease\x12\".pagedserve.memory.v1.LeaseRequest\x1a#.pagedserve.memory.v1.LeaseResponse\x12S\n\x06Update\x12#.pagedserve.memory.v1.UpdateRequest\x1a$.pagedserve.memory.v1.UpdateResponse\x12Y\n\x0cLookupPrefix\x12#.pagedserve.memory.v1.LookupRequest\x1a$.pagedserve.memory.v1.LookupResponse\x12T\n\x08GetStats\x12%.pagedserve.memory.v1.GetStatsRequest\x1a!.pagedserve.memory.v1.DaemonStats\x12h\n\rDropPublished\x12*.pagedserve.memory.v1.DropPublishedRequest\x1a+.pagedserve.memory.v1.DropPublishedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/memory/v1/memory.proto\x12\x14pagedserve.memory.v1\"i\n\tPoolShape\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\"\xab\x01\n\rAttachRequest\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12.\n\x05shape\x18\x03 \x01(\x0b\x32\x1f.pagedserve.memory.v1.PoolShape\x12\x13\n\tnum_pages\x18\x04 \x01(\x03H\x00\x12\x16\n\x0cmemory_bytes\x18\x05 \x01(\x03H\x00\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\tB\x06\n\x04size\"\x1c\n\x0cSharedMemory\x12\x0c\n\x04path\x18\x01 \x01(\t\"B\n\x07\x43udaIpc\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"\xe1\x01\n\x0ePoolDescriptor\x12\x0f\n\x07pool_id\x18\x01 \x01(\r\x12.\n\x05shape\x18\x02 \x01(\x0b\x32\x1f.pagedserve.memory.v1.PoolShape\x12\x11\n\tnum_pages\x18\x03 \x01(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x31\n\x03shm\x18\x05 \x01(\x0b\x32\".pagedserve.memory.v1.SharedMemoryH\x00\x12-\n\x04\x63uda\x18\x06 \x01(\x0b\x32\x1d.pagedserve.memory.v1.CudaIpcH\x00\x42\t\n\x07storage\"y\n\x08\x41ttached\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\r\x12\x32\n\x04pool\x18\x03 \x01(\x0b\x32$.pagedserve.memory.v1.PoolDescriptor\x12\x14\n\x0crefill_pages\x18\x04 \x01(\x03\"\x18\n\x07Reclaim\x12\r\n\x05pages\x18\x01 \x01(\x03\"|\n\x0b\x41ttachEvent\x12\x32\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x1e.pagedserve.memory.v1.AttachedH\x00\x12\x30\n\x07reclaim\x18\x02 \x01(\x0b\x32\x1d.pagedserve.memory.v1.ReclaimH\x00\x42\x07\n\x05\x65vent\"N\n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04need\x18\x02 \x01(\x03\x12\x10\n\x08\x63onsumed\x18\x03 \x01(\x03\x12\x0c\n\x04idle\x18\x04 \x01(\x03\"H\n\rLeaseResponse\x12\r\n\x05pages\x18\x01 \x03(\r\x12\x14\n\x0crefill_pages\x18\x02 \x01(\x03\x12\x12\n\nfree_pages\x18\x03 \x01(\x03\"M\n\rPublishedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04page\x18\x02 \x01(\r\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\"\x85\x01\n\rUpdateRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x34\n\x07publish\x18\x02 \x03(\x0b\x32#.pagedserve.memory.v1.PublishedPage\x12\r\n\x05unref\x18\x03 \x03(\r\x12\x0f\n\x07release\x18\x04 \x03(\r\x12\x0c\n\x04idle\x18\x05 \x01(\x03\"$\n\x0eUpdateResponse\x12\x12\n\nfree_pages\x18\x01 \x01(\x03\"/\n\rLookupRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05pages\x18\x01 \x03(\r\"\x11\n\x0fGetStatsRequest\"\x9a\x01\n\x0bWorkerUsage\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x14\n\x0cleased_pages\x18\x04 \x01(\x03\x12\x12\n\nidle_pages\x18\x05 \x01(\x03\x12\x18\n\x10referenced_pages\x18\x06 \x01(\x03\x12\x14\n\x0crefill_pages\x18\x07 \x01(\x03\"Y\n\x0ePublisherUsage\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x04 \x01(\x03\"\xc7\x03\n\tPoolStats\x12\x0f\n\x07pool_id\x18\x01 \x01(\r\x12.\n\x05shape\x18\x02 \x01(\x0b\x32\x1f.pagedserve.memory.v1.PoolShape\x12\x13\n\x0btotal_pages\x18\x03 \x01(\x03\x12\x12\n\nfree_pages\x18\x04 \x01(\x03\x12\x14\n\x0cleased_pages\x18\x05 \x01(\x03\x12\x14\n\x0cshared_pages\x18\x06 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x07 \x01(\x03\x12\x17\n\x0f\x65victable_pages\x18\x08 \x01(\x03\x12\x11\n\tevictions\x18\t \x01(\x03\x12\x16\n\x0eprefix_lookups\x18\n \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x0b \x01(\x03\x12\x1c\n\x14prefix_queried_pages\x18\x0c \x01(\x03\x12\x18\n\x10prefix_hit_pages\x18\r \x01(\x03\x12\x32\n\x07workers\x18\x0e \x03(\x0b\x32!.pagedserve.memory.v1.WorkerUsage\x12\x0f\n\x07storage\x18\x0f \x01(\t\x12\x38\n\npublishers\x18\x10 \x03(\x0b\x32$.pagedserve.memory.v1.PublisherUsage\"=\n\x0b\x44\x61\x65monStats\x12.\n\x05pools\x18\x01 \x03(\x0b\x32\x1f.pagedserve.memory.v1.PoolStats\"`\n\x14\x44ropPublishedRequest\x12\x13\n\tworker_id\x18\x01 \x01(\rH\x00\x12\x15\n\x0bworker_name\x18\x02 \x01(\tH\x00\x12\x0f\n\x07pool_id\x18\x03 \x01(\rB\x0b\n\tpublisher\"&\n\x15\x44ropPublishedResponse\x12\r\n\x05pages\x18\x01 \x01(\x03\"C\n\x17WatchPrefixIndexRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x04\"<\n\nCachedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"w\n\x11PrefixIndexChange\x12\x32\n\x06stored\x18\x01 \x01(\x0b\x32 .pagedserve.memory.v1.CachedPageH\x00\x12\x11\n\x07removed\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07\x63leared\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x63hange\"q\n\x10PrefixIndexBatch\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x38\n\x07\x63hanges\x18\x03 \x03(\x0b\x32\'.pagedserve.memory.v1.PrefixIndexChange\"+\n\x17\x46lushPrefixIndexRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\")\n\x18\x46lushPrefixIndexResponse\x12\r\n\x05pages\x18\x01 \x01(\x03\x32\x84\x06\n\x0cMemoryDaemon\x12R\n\x06\x41ttach\x12#.pagedserve.memory.v1.AttachRequest\x1a!.pagedserve.memory.v1.AttachEvent0\x01\x12P\n\x05Lease\x12\".pagedserve.memory.v1.LeaseRequest\x1a#.pagedserve.memory.v1.LeaseResponse\x12S\n\x06Update\x12#.pagedserve.memory.v1.UpdateRequest\x1a$.pagedserve.memory.v1.UpdateResponse\x12Y\n\x0cLookupPrefix\x12#.pagedserve.memory.v1.LookupRequest\x1a$.pagedserve.memory.v1.LookupResponse\x12T\n\x08GetStats\x12%.pagedserve.memory.v1.GetStatsRequest\x1a!.pagedserve.memory.v1.DaemonStats\x12h\n\rDropPublished\x12*.pagedserve.memory.v1.DropPublishedRequest\x1a+.pagedserve.memory.v1.DropPublishedResponse\x12k\n\x10WatchPrefixIndex\x12-.pagedserve.memory.v1.WatchPrefixIndexRequest\x1a&.pagedserve.memory.v1.PrefixIndexBatch0\x01\x12q\n\x10\x46lushPrefixIndex\x12-.pagedserve.memory.v1.FlushPrefixIndexRequest\x1a..pagedserve.memory.v1.FlushPrefixIndexResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,29 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEASERESPONSE']._serialized_start=1021
   _globals['_LEASERESPONSE']._serialized_end=1093
   _globals['_PUBLISHEDPAGE']._serialized_start=1095
-  _globals['_PUBLISHEDPAGE']._serialized_end=1137
-  _globals['_UPDATEREQUEST']._serialized_start=1140
-  _globals['_UPDATEREQUEST']._serialized_end=1273
-  _globals['_UPDATERESPONSE']._serialized_start=1275
-  _globals['_UPDATERESPONSE']._serialized_end=1311
-  _globals['_LOOKUPREQUEST']._serialized_start=1313
-  _globals['_LOOKUPREQUEST']._serialized_end=1360
-  _globals['_LOOKUPRESPONSE']._serialized_start=1362
-  _globals['_LOOKUPRESPONSE']._serialized_end=1393
-  _globals['_GETSTATSREQUEST']._serialized_start=1395
-  _globals['_GETSTATSREQUEST']._serialized_end=1412
-  _globals['_WORKERUSAGE']._serialized_start=1415
-  _globals['_WORKERUSAGE']._serialized_end=1569
-  _globals['_PUBLISHERUSAGE']._serialized_start=1571
-  _globals['_PUBLISHERUSAGE']._serialized_end=1660
-  _globals['_POOLSTATS']._serialized_start=1663
-  _globals['_POOLSTATS']._serialized_end=2118
-  _globals['_DAEMONSTATS']._serialized_start=2120
-  _globals['_DAEMONSTATS']._serialized_end=2181
-  _globals['_DROPPUBLISHEDREQUEST']._serialized_start=2183
-  _globals['_DROPPUBLISHEDREQUEST']._serialized_end=2279
-  _globals['_DROPPUBLISHEDRESPONSE']._serialized_start=2281
-  _globals['_DROPPUBLISHEDRESPONSE']._serialized_end=2319
-  _globals['_MEMORYDAEMON']._serialized_start=2322
-  _globals['_MEMORYDAEMON']._serialized_end=2870
+  _globals['_PUBLISHEDPAGE']._serialized_end=1172
+  _globals['_UPDATEREQUEST']._serialized_start=1175
+  _globals['_UPDATEREQUEST']._serialized_end=1308
+  _globals['_UPDATERESPONSE']._serialized_start=1310
+  _globals['_UPDATERESPONSE']._serialized_end=1346
+  _globals['_LOOKUPREQUEST']._serialized_start=1348
+  _globals['_LOOKUPREQUEST']._serialized_end=1395
+  _globals['_LOOKUPRESPONSE']._serialized_start=1397
+  _globals['_LOOKUPRESPONSE']._serialized_end=1428
+  _globals['_GETSTATSREQUEST']._serialized_start=1430
+  _globals['_GETSTATSREQUEST']._serialized_end=1447
+  _globals['_WORKERUSAGE']._serialized_start=1450
+  _globals['_WORKERUSAGE']._serialized_end=1604
+  _globals['_PUBLISHERUSAGE']._serialized_start=1606
+  _globals['_PUBLISHERUSAGE']._serialized_end=1695
+  _globals['_POOLSTATS']._serialized_start=1698
+  _globals['_POOLSTATS']._serialized_end=2153
+  _globals['_DAEMONSTATS']._serialized_start=2155
+  _globals['_DAEMONSTATS']._serialized_end=2216
+  _globals['_DROPPUBLISHEDREQUEST']._serialized_start=2218
+  _globals['_DROPPUBLISHEDREQUEST']._serialized_end=2314
+  _globals['_DROPPUBLISHEDRESPONSE']._serialized_start=2316
+  _globals['_DROPPUBLISHEDRESPONSE']._serialized_end=2354
+  _globals['_WATCHPREFIXINDEXREQUEST']._serialized_start=2356
+  _globals['_WATCHPREFIXINDEXREQUEST']._serialized_end=2423
+  _globals['_CACHEDPAGE']._serialized_start=2425
+  _globals['_CACHEDPAGE']._serialized_end=2485
+  _globals['_PREFIXINDEXCHANGE']._serialized_start=2487
+  _globals['_PREFIXINDEXCHANGE']._serialized_end=2606
+  _globals['_PREFIXINDEXBATCH']._serialized_start=2608
+  _globals['_PREFIXINDEXBATCH']._serialized_end=2721
+  _globals['_FLUSHPREFIXINDEXREQUEST']._serialized_start=2723
+  _globals['_FLUSHPREFIXINDEXREQUEST']._serialized_end=2766
+  _globals['_FLUSHPREFIXINDEXRESPONSE']._serialized_start=2768
+  _globals['_FLUSHPREFIXINDEXRESPONSE']._serialized_end=2809
+  _globals['_MEMORYDAEMON']._serialized_start=2812
+  _globals['_MEMORYDAEMON']._serialized_end=3584
 # @@protoc_insertion_point(module_scope)

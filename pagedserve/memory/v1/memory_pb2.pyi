@@ -117,12 +117,16 @@ class LeaseResponse(_message.Message):
     def __init__(self, pages: _Optional[_Iterable[int]] = ..., refill_pages: _Optional[int] = ..., free_pages: _Optional[int] = ...) -> None: ...
 
 class PublishedPage(_message.Message):
-    __slots__ = ("key", "page")
+    __slots__ = ("key", "page", "parent", "token_ids")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PAGE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     page: int
-    def __init__(self, key: _Optional[bytes] = ..., page: _Optional[int] = ...) -> None: ...
+    parent: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., page: _Optional[int] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
     __slots__ = ("lease_id", "publish", "unref", "release", "idle")
@@ -245,6 +249,56 @@ class DropPublishedRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., pool_id: _Optional[int] = ...) -> None: ...
 
 class DropPublishedResponse(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...
+
+class WatchPrefixIndexRequest(_message.Message):
+    __slots__ = ("model_id", "after_sequence")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    after_sequence: int
+    def __init__(self, model_id: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class CachedPage(_message.Message):
+    __slots__ = ("key", "parent", "token_ids")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixIndexChange(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: CachedPage
+    removed: bytes
+    cleared: bool
+    def __init__(self, stored: _Optional[_Union[CachedPage, _Mapping]] = ..., removed: _Optional[bytes] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
+class PrefixIndexBatch(_message.Message):
+    __slots__ = ("sequence", "timestamp", "changes")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    timestamp: float
+    changes: _containers.RepeatedCompositeFieldContainer[PrefixIndexChange]
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., changes: _Optional[_Iterable[_Union[PrefixIndexChange, _Mapping]]] = ...) -> None: ...
+
+class FlushPrefixIndexRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class FlushPrefixIndexResponse(_message.Message):
     __slots__ = ("pages",)
     PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int

@@ -64,6 +64,16 @@ class MemoryDaemonStub:
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedResponse.FromString,
                 _registered_method=True)
+        self.WatchPrefixIndex = channel.unary_stream(
+                '/pagedserve.memory.v1.MemoryDaemon/WatchPrefixIndex',
+                request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.WatchPrefixIndexRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefixIndexBatch.FromString,
+                _registered_method=True)
+        self.FlushPrefixIndex = channel.unary_unary(
+                '/pagedserve.memory.v1.MemoryDaemon/FlushPrefixIndex',
+                request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.FlushPrefixIndexRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.FlushPrefixIndexResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryDaemonServicer:
@@ -111,6 +121,20 @@ class MemoryDaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPrefixIndex(self, request, context):
+        """One model's prefix-index changes, numbered, as they happen: what a gateway's cache-aware routing follows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FlushPrefixIndex(self, request, context):
+        """Drops every cached page of one model that no one references.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryDaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +167,16 @@ def add_MemoryDaemonServicer_to_server(servicer, server):
                     servicer.DropPublished,
                     request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedRequest.FromString,
                     response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedResponse.SerializeToString,
+            ),
+            'WatchPrefixIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPrefixIndex,
+                    request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.WatchPrefixIndexRequest.FromString,
+                    response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefixIndexBatch.SerializeToString,
+            ),
+            'FlushPrefixIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushPrefixIndex,
+                    request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.FlushPrefixIndexRequest.FromString,
+                    response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.FlushPrefixIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +341,60 @@ class MemoryDaemon:
             '/pagedserve.memory.v1.MemoryDaemon/DropPublished',
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedRequest.SerializeToString,
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.DropPublishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPrefixIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.memory.v1.MemoryDaemon/WatchPrefixIndex',
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.WatchPrefixIndexRequest.SerializeToString,
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefixIndexBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushPrefixIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.memory.v1.MemoryDaemon/FlushPrefixIndex',
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.FlushPrefixIndexRequest.SerializeToString,
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.FlushPrefixIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

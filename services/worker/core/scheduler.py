@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from memory_daemon.prefix import ROOT_KEY
 from services.worker.core.outputs import RequestOutput
 from services.worker.core.sampler import Samples
 from services.worker.core.sequence import FinishReason, Sequence, Status
@@ -145,8 +146,14 @@ class Scheduler:
         """Offer every newly computed full page to the prefix cache."""
         full = seq.num_computed // self.kv.page_size
         if self.prefix_caching and full > seq.num_shared:
-            keys = seq.page_keys(full, self.kv.page_size)
-            self.kv.publish(keys[seq.num_shared :], seq.pages[seq.num_shared : full])
+            size = self.kv.page_size
+            keys = seq.page_keys(full, size)
+            parent = keys[seq.num_shared - 1] if seq.num_shared else seq.cache_root
+            # A salted chain's pages are not announced to gateways: only the salt's requests may find them.
+            tokens = seq.tokens[seq.num_shared * size : full * size] if seq.cache_root == ROOT_KEY else []
+            self.kv.publish(
+                keys[seq.num_shared :], seq.pages[seq.num_shared : full], parent=parent, tokens=tokens
+            )
             seq.num_shared = full
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memory_daemon.prefix import ROOT_KEY, Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
 from pagedserve.plumbing.errors import Unavailable
@@ -96,20 +97,34 @@ class KVCache(ABC):
             if unref or release:
                 self._submit(len(self._idle), unref=unref, release=release)
 
-    def publish(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+    def publish(
+        self,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        parent: bytes = ROOT_KEY,
+        tokens: Sequence[int] = (),
+    ) -> int:
         """Offer full pages to the prefix cache under their chain keys (memory_daemon.prefix.page_keys).
 
+        parent is the chain's key before keys[0], and tokens the pages' tokens, for the index's events.
         Pages already shared are skipped, so a caller may pass a sequence's whole block table. A published
         page stays the caller's, held by reference: `free` it as before. Returns how many were published.
         """
         if len(keys) != len(pages):
             raise ValueError(f"publish needs one key per page, got {len(keys)} keys for {len(pages)} pages")
+        size = self.page_size
+        parents = [parent, *keys[:-1]]
         with self._lock:
             for page in pages:
                 if page not in self._in_use and not self._refs[page]:
                     raise ValueError(f"cannot publish page {page}: this worker does not hold it")
-            items = [(key, page) for key, page in zip(keys, pages, strict=True) if page in self._in_use]
-            for _, page in items:
+            items = [
+                Published(key, page, parents[i], tuple(tokens[i * size : (i + 1) * size]))
+                for i, (key, page) in enumerate(zip(keys, pages, strict=True))
+                if page in self._in_use
+            ]
+            for _, page, _, _ in items:
                 self._in_use.remove(page)
                 self._refs[page] += 1
             if items:
@@ -152,7 +167,7 @@ class KVCache(ABC):
         self,
         idle: int,
         *,
-        publish: Sequence[tuple[bytes, int]] = (),
+        publish: Sequence[Published] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from memory_daemon.ledger import PageLedger
+from memory_daemon.prefix import Published
 from memory_daemon.refill import RefillSettings
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
@@ -50,7 +51,7 @@ class LocalKVCache(KVCache):
         self,
         idle: int,
         *,
-        publish: Sequence[tuple[bytes, int]] = (),
+        publish: Sequence[Published] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> None:

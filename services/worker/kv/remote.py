@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import Message
 
 from memory_daemon.export import SHM_DIR, map_pool
+from memory_daemon.prefix import Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
 from memory_daemon.wire import counts_from_pb, descriptor_from_pb, shape_to_pb
@@ -52,7 +53,7 @@ class DaemonError(PoolLost):
 
 @dataclass
 class _Batch:
-    publish: list[tuple[bytes, int]] = field(default_factory=list)
+    publish: list[Published] = field(default_factory=list)
     unref: list[int] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
 
@@ -62,7 +63,10 @@ class _Batch:
     def to_pb(self, lease_id: str, idle: int) -> memory_pb2.UpdateRequest:
         return memory_pb2.UpdateRequest(
             lease_id=lease_id,
-            publish=[memory_pb2.PublishedPage(key=key, page=page) for key, page in self.publish],
+            publish=[
+                memory_pb2.PublishedPage(key=p.key, page=p.page, parent=p.parent, token_ids=p.token_ids)
+                for p in self.publish
+            ],
             unref=self.unref,
             release=self.release,
             idle=idle,
@@ -192,7 +196,7 @@ class DaemonKVCache(KVCache):
         self,
         idle: int,
         *,
-        publish: Sequence[tuple[bytes, int]] = (),
+        publish: Sequence[Published] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> None:

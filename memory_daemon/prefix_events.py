@@ -1,0 +1,128 @@
+"""The prefix index's changes, per model and numbered: what a gateway's cache-aware routing follows.
+
+Every announced page that enters or leaves the index is recorded as it happens (`PrefixIndex` calls
+`stored` and `removed`), and `commit` closes the changes of one ledger call into one numbered batch; a page
+published without its tokens (one of a salted prompt, which only that salt may find) is not announced. A
+model's numbers count up by one from the daemon's start time in microseconds, so a restarted daemon's
+always number above an old one's, and its first batch says that nothing is cached (cleared).
+A new subscriber (after 0) first gets the whole state as one batch, numbered as the last: cleared, then every
+cached page, parents before children. One that names the last batch it has gets the batches after it from
+the history, or OutOfRange when the history no longer holds them (another daemon's numbers, or too old):
+it must drop what it knows and subscribe from 0. One that falls MAX_BEHIND batches behind gets DataLoss,
+with the same remedy. These are the statuses SMG's gateway acts on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedserve.plumbing.errors import DataLoss, OutOfRange
+
+HISTORY_BATCHES = 4096
+MAX_BEHIND = 4096
+
+
+@dataclass(frozen=True)
+class Stored:
+    key: bytes
+    parent: bytes  # the key before it in its chain; empty for a prompt's first page
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Removed:
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Cleared:
+    pass
+
+
+Change = Stored | Removed | Cleared
+
+
+@dataclass(frozen=True)
+class Batch:
+    sequence: int
+    timestamp: float
+    changes: tuple[Change, ...]
+
+
+class Subscription:
+    """A subscriber's next batches; `close` it when done."""
+
+    def __init__(self, events: ModelEvents, backlog: list[Batch]) -> None:
+        self._events = events
+        self._queue: asyncio.Queue[Batch | None] = asyncio.Queue()
+        for batch in backlog:
+            self._queue.put_nowait(batch)
+
+    async def next(self) -> Batch:
+        batch = await self._queue.get()
+        if batch is None:
+            raise DataLoss(f"this subscriber fell {MAX_BEHIND} batches behind; subscribe again from 0")
+        return batch
+
+    def offer(self, batch: Batch) -> None:
+        if self._queue.qsize() >= MAX_BEHIND:  # it does not keep up: what it has is no longer worth having
+            self.close()
+            self._queue.put_nowait(None)
+        else:
+            self._queue.put_nowait(batch)
+
+    def close(self) -> None:
+        self._events.subscribers.discard(self)
+
+
+class ModelEvents:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.sequence = int(clock() * 1e6)
+        self._history: deque[Batch] = deque(maxlen=HISTORY_BATCHES)
+        self._pending: list[Change] = []
+        self._live: dict[bytes, Stored] = {}  # in the order stored: a parent before its children
+        self.subscribers: set[Subscription] = set()
+        self._history.append(Batch(self.sequence, clock(), (Cleared(),)))
+
+    def stored(self, change: Stored) -> None:
+        if change.token_ids:
+            self._pending.append(change)
+            self._live[change.key] = change
+
+    def removed(self, key: bytes) -> None:
+        if self._live.pop(key, None) is not None:
+            self._pending.append(Removed(key))
+
+    def commit(self) -> None:
+        if not self._pending:
+            return
+        self.sequence += 1
+        batch = Batch(self.sequence, self._clock(), tuple(self._pending))
+        self._pending.clear()
+        self._history.append(batch)
+        for subscriber in list(self.subscribers):  # offer may drop one
+            subscriber.offer(batch)
+
+    def snapshot(self) -> Batch:
+        """The whole state, numbered as the last batch: what a subscriber holds once it has it."""
+        return Batch(self.sequence, self._clock(), (Cleared(), *self._live.values()))
+
+    def subscribe(self, after: int) -> Subscription:
+        """The batches after `after` (the whole state, for 0), then each new one."""
+        if not after:
+            backlog = [self.snapshot()]
+        elif self._history[0].sequence <= after + 1 and after <= self.sequence:
+            backlog = [batch for batch in self._history if batch.sequence > after]
+        else:
+            raise OutOfRange(
+                f"batch {after} is not in this daemon's history ({self._history[0].sequence} to "
+                f"{self.sequence}); drop what you know and subscribe from 0"
+            )
+        subscription = Subscription(self, backlog)
+        self.subscribers.add(subscription)
+        return subscription

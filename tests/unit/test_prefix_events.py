@@ -1,0 +1,122 @@
+"""The prefix index's events, as the daemon records them for a gateway: what each ledger call stores and
+removes, numbered one batch per call; the whole state for a new subscriber; replay from a cursor; and the
+statuses (OutOfRange, DataLoss) that tell a subscriber to start over."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from memory_daemon.ledger import PageLedger
+from memory_daemon.prefix import Published, salted_root
+from memory_daemon.prefix_events import MAX_BEHIND, Batch, Cleared, ModelEvents, Removed, Stored
+from pagedserve.plumbing.errors import DataLoss, OutOfRange
+from tests.unit.ledgers import KEYS
+
+TOKENS = [tuple(range(i * 16, (i + 1) * 16)) for i in range(4)]
+
+
+def publish_chain(ledger: PageLedger, count: int, model: str = "m") -> list[int]:
+    worker = ledger.open_lease("w", model)
+    pages = ledger.grant(worker, count) or []
+    parents = [b"", *KEYS[: count - 1]]
+    ledger.update(worker, publish=[Published(KEYS[i], pages[i], parents[i], TOKENS[i]) for i in range(count)])
+    ledger.update(worker, unref=pages)  # idle, so evictable
+    return pages
+
+
+def drain(events: ModelEvents, after: int) -> list[Batch]:
+    subscription = events.subscribe(after)
+    batches = []
+    while not subscription._queue.empty():
+        batches.append(asyncio.run(subscription.next()))
+    subscription.close()
+    return batches
+
+
+def test_a_new_subscriber_gets_the_whole_state_parents_first_then_each_call_as_one_batch() -> None:
+    ledger = PageLedger(9)
+    publish_chain(ledger, 3)
+    events = ledger.index.events_of("m")
+    (state,) = drain(events, 0)
+    assert state.changes == (
+        Cleared(),
+        Stored(KEYS[0], b"", TOKENS[0]),
+        Stored(KEYS[1], KEYS[0], TOKENS[1]),
+        Stored(KEYS[2], KEYS[1], TOKENS[2]),
+    )
+    subscription = events.subscribe(state.sequence)
+    assert ledger.flush("m") == 3  # idle cached pages go free
+    batch = asyncio.run(subscription.next())
+    assert batch.sequence == state.sequence + 1
+    assert sorted(c.key for c in batch.changes if isinstance(c, Removed)) == sorted(KEYS[:3])
+    assert ledger.free_pages == 8
+    ledger.check_invariants()
+
+
+def test_the_history_replays_from_a_cursor_and_numbers_run_without_gaps() -> None:
+    ledger = PageLedger(9)
+    first = ledger.index.events_of("m").sequence  # the opening batch: nothing cached
+    publish_chain(ledger, 2)
+    ledger.flush("m")
+    batches = drain(ledger.index.events_of("m"), first)
+    assert [b.sequence for b in batches] == [first + 1, first + 2]
+    assert [type(c) for c in batches[0].changes] == [Stored, Stored]
+    assert [type(c) for c in batches[1].changes] == [Removed, Removed]
+
+
+def test_eviction_and_drop_published_are_announced() -> None:
+    ledger = PageLedger(9)
+    publish_chain(ledger, 4)
+    events = ledger.index.events_of("m")
+    after = events.sequence
+    other = ledger.open_lease("other", "m")
+    assert ledger.grant(other, 6, need=6) is not None  # 4 free pages, so 2 cached ones are evicted
+    (evicted,) = drain(events, after)
+    assert [c.key for c in evicted.changes] == KEYS[:2]  # least recently used first
+    assert ledger.drop_published(name="w") == 2
+    (dropped,) = drain(events, evicted.sequence)
+    assert [c.key for c in dropped.changes] == KEYS[2:4]
+    ledger.check_invariants()
+
+
+def test_pages_without_tokens_are_not_announced() -> None:
+    """A salted prompt's pages are published without their tokens: only the salt's requests may find them."""
+    ledger = PageLedger(9)
+    worker = ledger.open_lease("w", "m")
+    (page,) = ledger.grant(worker, 1) or []
+    events = ledger.index.events_of("m")
+    after = events.sequence
+    ledger.update(worker, publish=[Published(KEYS[0], page, salted_root("s"))])
+    assert drain(events, after) == []
+    assert ledger.drop_published(name="w") == 1
+    assert drain(events, after) == []
+
+
+def test_each_model_has_its_own_events() -> None:
+    ledger = PageLedger(9)
+    publish_chain(ledger, 1, model="a")
+    (state,) = drain(ledger.index.events_of("b"), 0)
+    assert state.changes == (Cleared(),)
+
+
+def test_a_cursor_the_history_lacks_is_out_of_range() -> None:
+    clock = iter([1000.0, 1000.0, 1000.0])
+    events = ModelEvents(lambda: next(clock))
+    assert events.sequence == 1_000_000_000  # from the start time in microseconds
+    for cursor in (1, 999_999_998, events.sequence + 1):  # another daemon's life, too old, from the future
+        with pytest.raises(OutOfRange, match="subscribe from 0"):
+            events.subscribe(cursor)
+
+
+def test_a_subscriber_that_falls_far_behind_gets_data_loss() -> None:
+    events = ModelEvents()
+    subscription = events.subscribe(events.sequence)
+    for i in range(MAX_BEHIND + 1):
+        events.stored(Stored(i.to_bytes(8, "little"), b"", (i,)))
+        events.commit()
+    assert subscription not in events.subscribers  # it gets no more batches
+    with pytest.raises(DataLoss):
+        for _ in range(MAX_BEHIND + 1):
+            asyncio.run(subscription.next())
