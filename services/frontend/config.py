@@ -28,6 +28,9 @@ class FrontendConfig:
         shown_default="127.0.0.1:50053",
     )
     model: str | None = setting(None, "the model folder, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    daemon: str | None = setting(
+        None, "the node's memory daemon, whose cached pages a gateway follows (SubscribeKvEvents, FlushCache)"
+    )
     max_running: int = setting(256, "requests in workers at once", check=positive)
     max_waiting: int = setting(
         1024, "requests queued behind them; more are refused with RESOURCE_EXHAUSTED", check=not_negative

@@ -34,7 +34,7 @@ class TextStream:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # everything decoded so far
         self._emitted = 0  # how much of it has gone out
-        self.stopped = False  # a stop string was found; the text ends before it
+        self.stopped = ""  # the stop string found, if any; the text ends before it
 
     @property
     def text(self) -> str:
@@ -72,10 +72,10 @@ class TextStream:
     def _cut_at_stop(self) -> bool:
         """Cut the text before the stop string completed first, if any; whether one was found."""
         # A stop string starting before the emitted text would have been found by an earlier push.
-        found = [(i + len(s), i) for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
+        found = [(i + len(s), i, s) for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
         if found:
-            self._text = self._text[: min(found)[1]]
-            self.stopped = True
+            _, start, self.stopped = min(found)
+            self._text = self._text[:start]
         return bool(found)
 
     def _primed(self, window: list[int]) -> tuple[DecodeStream, int, int]:

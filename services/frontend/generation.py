@@ -25,7 +25,13 @@ from services.frontend.admission import Admission
 from services.frontend.detokenizer import TextStream
 from services.frontend.metrics import RequestTracker
 from services.frontend.router import Router
-from services.frontend.validation import CheckedRequest, ModelLimits, PreparedRequest, RequestBuilder
+from services.frontend.validation import (
+    CheckedRequest,
+    ModelLimits,
+    PreparedRequest,
+    RequestBuilder,
+    check_sizes,
+)
 
 Reason = generation_pb2.GenerateResponse.FinishReason
 _END = None  # the queue's last item, after the final response
@@ -46,6 +52,12 @@ class Shared:
         """Off the event loop, on the bounded tokenizer threads: a long prompt takes a while."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function)
 
+    def start(self, request: generation_pb2.GenerateRequest, tracker: RequestTracker) -> Generation:
+        """Check a request and start generating it; a bad request is refused here, before admission."""
+        limits = self.router.limits()
+        check_sizes(request.prompt, request.messages, limits, len(request.prompt_token_ids))
+        return Generation(self, self.builder.check(request, limits), limits, tracker)
+
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one per process, and the cache is the point
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
@@ -62,6 +74,7 @@ class Generation:
         self._shared = shared
         self._tracker = tracker
         self._queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+        self.prompt_tokens = 0  # known once tokenized: before the first response
         self._task = asyncio.create_task(self._run(checked, limits))
 
     async def responses(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -71,6 +84,7 @@ class Generation:
             yield item
 
     def cancel(self) -> None:
+        """Stop generating; a caller still reading `responses` gets a last one that says ABORT."""
         self._task.cancel()
 
     async def _run(self, checked: CheckedRequest, limits: ModelLimits) -> None:
@@ -82,11 +96,16 @@ class Generation:
                 await self._generate(await self._shared.run_tokenizer(tokenize))
         except Exception as exc:  # delivered to the caller, which reports it
             self._queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(generation_pb2.GenerateResponse(finish_reason=Reason.ABORT))
+            self._queue.put_nowait(_END)
+            raise
         self._queue.put_nowait(_END)
 
     async def _generate(self, prepared: PreparedRequest) -> None:
         link = self._shared.router.pick()
         worker_id, outputs = link.submit(prepared)
+        self.prompt_tokens = len(prepared.prompt_ids)
         text = TextStream(self._shared.tokenizer.backend_tokenizer, prepared.prompt_ids, prepared.stop)
         completion_tokens = 0
         finished = False
@@ -114,6 +133,7 @@ class Generation:
                 )
                 if reason:
                     finished = True
+                    _set_matched_stop(response, text.stopped, prepared.options.stop_token_ids)
                     response.usage.prompt_tokens = len(prepared.prompt_ids)
                     response.usage.completion_tokens = completion_tokens
                     response.usage.cached_prompt_tokens = output.cached_prompt_tokens
@@ -126,3 +146,15 @@ class Generation:
         for top in logprobs.top:
             top.text = self._shared.token_text(top.token_id)
         return logprobs
+
+
+def _set_matched_stop(
+    response: generation_pb2.GenerateResponse, stop_string: str, stop_token_ids: tuple[int, ...]
+) -> None:
+    """Say what stopped a request that ended with STOP, as vLLM's stop_reason does (nothing for an EOS)."""
+    if response.finish_reason != Reason.STOP:
+        return
+    if stop_string:
+        response.matched_stop_str = stop_string
+    elif response.token_ids and response.token_ids[-1] in stop_token_ids:
+        response.matched_token_id = response.token_ids[-1]

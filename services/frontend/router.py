@@ -240,9 +240,13 @@ class Router:
         why = "; ".join(f"{link.address}: {link.down_reason}" for link in self.links)
         raise Unavailable(f"no worker is up ({why}); start one with `pagedserve worker`")
 
+    def worker_info(self) -> worker_pb2.WorkerInfo | None:
+        """How the model runs, as the first worker that serves it reported; None before one has."""
+        return next((link.info for link in self.links if link.serves_model), None)
+
     def limits(self) -> ModelLimits:
         """The model's limits, as its workers report them; Unavailable until one has been reached."""
-        info = next((link.info for link in self.links if link.serves_model), None)
+        info = self.worker_info()
         if info is None:
             self.pick()  # raises Unavailable, saying why no worker is up
             raise Unavailable("no worker has reported the model's limits yet; retry")

@@ -1,6 +1,7 @@
-"""The frontend process: `pagedserve frontend`. It serves pagedserve.v1.Generation, grpc.health.v1 and
-server reflection, in front of the workers given with --worker. It never loads torch or the model's code:
-it tokenizes, and the workers report the model's limits."""
+"""The frontend process: `pagedserve frontend`. It serves pagedserve.v1.Generation, SMG's vLLM worker
+protocol (vllm.grpc.engine.VllmEngine, so that SMG's gateway can route to it), grpc.health.v1 and server
+reflection, in front of the workers given with --worker. It never loads torch or the model's code: it
+tokenizes, and the workers report the model's limits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from pagedserve.plumbing.auth import bearer_interceptor
@@ -21,14 +23,19 @@ from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
 from services.frontend.generation import Shared
 from services.frontend.metrics import track_admission
+from services.frontend.node_cache import NodeCache
 from services.frontend.router import Router
 from services.frontend.service import GenerationService
 from services.frontend.validation import RequestBuilder
+from services.frontend.vllm_info import ModelFacts
+from services.frontend.vllm_service import VllmEngineService
 
 log = logging.getLogger(__name__)
 
 CONFIG = FrontendConfig  # its fields are the command line
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# SMG's worker protocol
+VLLM_SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -45,14 +52,18 @@ async def serve(config: FrontendConfig) -> None:
     tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
     shared = Shared(router, admission, builder, tokenizing)
     service = GenerationService(shared, model_id, config.drain_timeout_s)
+    facts = await asyncio.to_thread(ModelFacts, model_dir, model_id, tokenizer)
+    vllm_service = _vllm_service(config, shared, facts)
     if config.metrics.port:
         track_admission(admission)
         config.metrics.serve()
 
     def register(server: object) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_service, server)
         names = (
             SERVICE_NAME,
+            VLLM_SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         )
@@ -71,7 +82,8 @@ async def serve(config: FrontendConfig) -> None:
         """Generation is SERVING while at least one worker is up."""
         while True:
             up = router.any_up
-            await running.health.set(SERVICE_NAME, _SERVING if up else _NOT_SERVING)
+            for name in (SERVICE_NAME, VLLM_SERVICE_NAME):
+                await running.health.set(name, _SERVING if up else _NOT_SERVING)
             await workers_changed.wait()
             workers_changed.clear()
 
@@ -87,6 +99,14 @@ async def serve(config: FrontendConfig) -> None:
         health_task.cancel()
         await router.stop()
         tokenizing.shutdown(cancel_futures=True)
+
+
+def _vllm_service(config: FrontendConfig, shared: Shared, facts: ModelFacts) -> VllmEngineService:
+    """SMG's worker protocol; the node's cached pages come from the daemon, when the frontend knows it."""
+    node_cache = None
+    if config.daemon:
+        node_cache = NodeCache(config.daemon, facts.model_id, config.secret, shared.router.worker_info)
+    return VllmEngineService(shared, facts, node_cache, config.drain_timeout_s)
 
 
 def run(config: FrontendConfig) -> int:

@@ -17,10 +17,11 @@ import functools
 import logging
 
 import grpc
+from google.protobuf.message import Message
 
 from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from services.frontend.generation import Generation, Shared
+from services.frontend.generation import Shared
 from services.frontend.metrics import SLOW_READERS, RequestTracker
 from services.frontend.validation import check_sizes
 
@@ -38,11 +39,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         with RequestTracker(context) as tracker:
-            generation = self._start(request, tracker)
+            generation = self._shared.start(request, tracker)
             try:
                 async for response in generation.responses():
                     tracker.responded(response)
-                    await self._deliver(context, response)
+                    await deliver(context, response, self._drain_timeout_s)
             finally:
                 generation.cancel()
 
@@ -51,7 +52,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.GenerateResponse:
         whole = generation_pb2.GenerateResponse()
         with RequestTracker(context) as tracker:
-            generation = self._start(request, tracker)
+            generation = self._shared.start(request, tracker)
             try:
                 async for response in generation.responses():
                     tracker.responded(response)
@@ -85,26 +86,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
         info = generation_pb2.ModelInfo(model_id=self._model_id)
-        worker = next((link.info for link in self._router.links if link.serves_model), None)
+        worker = self._router.worker_info()
         if worker is not None:  # the model's limits, and how it runs, are the workers' to say
             info.max_context_length, info.vocab_size = worker.max_model_len, worker.vocab_size
             info.eos_token_ids.extend(worker.eos_token_ids)
             info.dtype, info.device, info.page_size = worker.dtype, worker.device, worker.page_size
         return info
 
-    def _start(self, request: generation_pb2.GenerateRequest, tracker: RequestTracker) -> Generation:
-        limits = self._router.limits()
-        check_sizes(request.prompt, request.messages, limits, len(request.prompt_token_ids))
-        checked = self._shared.builder.check(request, limits)  # a bad request is refused before admission
-        return Generation(self._shared, checked, limits, tracker)
 
-    async def _deliver(
-        self, context: grpc.aio.ServicerContext, response: generation_pb2.GenerateResponse
-    ) -> None:
-        try:
-            await asyncio.wait_for(context.write(response), self._drain_timeout_s)
-        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
-            # A write is stuck in gRPC, so no status can follow it: cancelling the handler resets the stream.
-            SLOW_READERS.inc()
-            log.warning("cancelled a stream whose client did not read it for %gs", self._drain_timeout_s)
-            raise asyncio.CancelledError from None
+async def deliver(context: grpc.aio.ServicerContext, message: Message, drain_timeout_s: float) -> None:
+    """Write one message of a stream, or cancel the call if the client has not read it in drain_timeout_s."""
+    try:
+        await asyncio.wait_for(context.write(message), drain_timeout_s)
+    except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
+        # A write is stuck in gRPC, so no status can follow it: cancelling the handler resets the stream.
+        SLOW_READERS.inc()
+        log.warning("cancelled a stream whose client did not read it for %gs", drain_timeout_s)
+        raise asyncio.CancelledError from None

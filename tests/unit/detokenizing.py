@@ -63,7 +63,7 @@ def assert_stopped_before(deltas: list[str], stream: TextStream, stop: Sequence[
     total = "".join(deltas)
     assert total == expected
     assert stream.text == expected
-    assert stream.stopped is True
+    assert stream.stopped in stop
     for s in stop:
         assert all(s not in d for d in deltas)
         assert s not in total

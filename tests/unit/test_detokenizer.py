@@ -57,7 +57,7 @@ def test_one_token_at_a_time_is_utf8_safe_and_complete(
     assert [d for d in deltas if REPLACEMENT in d] == []
     assert "".join(deltas) == decode(tokenizer, ids) == text
     assert stream.text == text
-    assert stream.stopped is False
+    assert stream.stopped == ""
     assert deltas[-1] == ""  # nothing is held back without stop strings
 
 

@@ -70,7 +70,7 @@ def test_finish_flushes_an_unfinished_character(
     assert "".join(deltas) == decode(tokenizer, ids) == stream.text
     assert deltas[-1].endswith(REPLACEMENT)  # what only the flush could give
     assert all(REPLACEMENT not in d for d in deltas[:-1])  # mid-stream deltas never split a character
-    assert stream.stopped is False
+    assert stream.stopped == ""
     assert stream.finish() == ""  # a second finish has nothing left
 
 
@@ -141,4 +141,4 @@ def test_random_byte_tokens_come_out_as_the_tokenizer_decodes_them(
             so_far += stream.push(part)
             assert expected.startswith(so_far), ids
         assert so_far + stream.finish() == expected, ids
-        assert stream.stopped is False
+        assert stream.stopped == ""

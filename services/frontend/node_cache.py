@@ -1,0 +1,118 @@
+"""The node's prefix cache as a gateway sees it, from the memory daemon: KV events and flushing.
+
+The daemon is the one authority on what this node has cached, and it outlives worker restarts, so the
+events come from it, not from the workers: each daemon batch becomes one `smg.grpc.common.KvEventBatch`
+with its sequence number. A page is a block: its hash is the first 8 bytes of its chain key (as a signed
+64-bit integer), its parent's likewise, and it carries its tokens, so that a gateway can follow prefixes by
+content; a page of a salted prompt is not announced. When the daemon goes away the stream ends with
+UNAVAILABLE and the gateway subscribes again from its last sequence number, which a restarted daemon refuses
+with OUT_OF_RANGE: the gateway then drops what it knew of this node and starts over from the whole state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.plumbing.auth import secret_metadata
+from pagedserve.plumbing.errors import StatusError, Unavailable
+from pagedserve.plumbing.rpc import CHANNEL_OPTIONS, check_peer_before_secret
+from pagedserve.worker.v1 import worker_pb2
+
+_DEVICE = common_pb2.KV_CACHE_TIER_DEVICE
+_LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
+
+
+def block_hash(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little", signed=True)
+
+
+class NodeCache:
+    def __init__(
+        self,
+        address: str,
+        model_id: str,
+        secret: str | None,
+        worker_info: Callable[[], worker_pb2.WorkerInfo | None],
+    ) -> None:
+        self.address = address
+        self._model_id = model_id
+        self._metadata = secret_metadata(secret)
+        self._worker_info = worker_info
+
+    async def flush(self) -> int:
+        """Drop the model's cached pages that no request uses; returns how many."""
+        async with self._channel() as channel:
+            stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+            request = memory_pb2.FlushPrefixIndexRequest(model_id=self._model_id)
+            try:
+                response = await stub.FlushPrefixIndex(request, metadata=self._metadata, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                raise self._unavailable(exc) from None
+        return int(response.pages)
+
+    async def events(self, after: int) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The batches after sequence number `after` (0: the whole state first), then each new one."""
+        async with self._channel() as channel:
+            stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+            request = memory_pb2.WatchPrefixIndexRequest(model_id=self._model_id, after_sequence=after)
+            try:
+                async for batch in stub.WatchPrefixIndex(request, metadata=self._metadata):
+                    yield self._to_smg(batch)
+            except grpc.aio.AioRpcError as exc:
+                raise self._unavailable(exc) from None
+
+    def _channel(self) -> _CheckedChannel:
+        return _CheckedChannel(self.address)
+
+    def _unavailable(self, exc: grpc.aio.AioRpcError) -> StatusError:
+        """The daemon's refusal of a sequence number as it is (the gateway acts on it), else UNAVAILABLE."""
+        if exc.code() in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DATA_LOSS):
+            return StatusError.of(exc.code().name, str(exc.details()))
+        return Unavailable(f"the node's memory daemon at {self.address}: {exc.code().name}: {exc.details()}")
+
+    def _to_smg(self, batch: memory_pb2.PrefixIndexBatch) -> common_pb2.KvEventBatch:
+        out = common_pb2.KvEventBatch(sequence_number=batch.sequence, timestamp=batch.timestamp)
+        info = self._worker_info()
+        page_size = info.page_size if info is not None else 0  # a worker reports it before anything is cached
+        for event_id, change in enumerate(batch.changes, start=1):
+            event = out.events.add(event_id=event_id)
+            kind = change.WhichOneof("change")
+            if kind == "stored":
+                page = change.stored
+                stored = event.stored
+                stored.blocks.add(
+                    block_hash=block_hash(page.key), token_ids=page.token_ids, block_size=page_size
+                )
+                if page.parent:
+                    stored.parent_block_hash = block_hash(page.parent)
+                stored.tier, stored.locality = _DEVICE, _LOCAL
+            elif kind == "removed":
+                event.removed.block_hashes.append(block_hash(change.removed))
+                event.removed.tier, event.removed.locality = _DEVICE, _LOCAL
+            else:
+                event.cleared.SetInParent()
+        return out
+
+
+class _CheckedChannel:
+    """An insecure channel to the daemon's unix socket, after checking who listens on it."""
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._channel: grpc.aio.Channel | None = None
+
+    async def __aenter__(self) -> grpc.aio.Channel:
+        try:
+            await check_peer_before_secret(self._address)  # no other user's process behind the socket
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"the node's memory daemon at {self._address}: {exc.details()}") from None
+        self._channel = grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS)
+        return self._channel
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,0 +1,176 @@
+"""`vllm.grpc.engine.VllmEngine`, SMG's vLLM worker protocol, served beside pagedserve.v1.Generation.
+
+A thin servicer over the same path as pagedserve's own Generate: each request is converted at the edge
+(`vllm_request`), runs as one `Generation` per sample (admission, the least-loaded worker, stop strings),
+and its responses go back as vLLM's chunks and completes, token ids only: the gateway detokenizes. A
+stream sends a chunk per engine step that produced tokens and a complete per sample when it ends; a
+non-streamed request sends one complete per sample with everything. When the call ends early (the client
+goes away, or `Abort` names the request) every sample is aborted in its worker, which frees its pages
+within one step. The node's cached pages are the daemon's to tell (`node_cache`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from pagedserve.plumbing.errors import InvalidArgument, Unimplemented
+from services.frontend import vllm_info, vllm_request
+from services.frontend.generation import Generation, Shared
+from services.frontend.metrics import RequestTracker
+from services.frontend.node_cache import NodeCache
+from services.frontend.service import deliver
+from services.frontend.vllm_answer import SampleAnswer
+
+
+class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
+    def __init__(
+        self,
+        shared: Shared,
+        facts: vllm_info.ModelFacts,
+        node_cache: NodeCache | None,
+        drain_timeout_s: float,
+    ) -> None:
+        self._shared = shared
+        self._facts = facts
+        self._node_cache = node_cache
+        self._drain_timeout_s = drain_timeout_s
+        self._running: dict[str, list[Generation]] = {}
+        self._last_request = 0.0
+
+    async def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        self._last_request = time.time()
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._running:
+            raise InvalidArgument(f"request {request_id!r} is already running; give each request its own id")
+        samples = vllm_request.samples(request)
+        with RequestTracker(context) as tracker:
+            generations = [self._shared.start(sample, tracker) for sample in samples]
+            self._running[request_id] = generations
+            try:
+                async for message in _merged(generations, request.stream, tracker):
+                    await deliver(context, message, self._drain_timeout_s)
+            finally:
+                del self._running[request_id]
+                for generation in generations:
+                    generation.cancel()
+
+    async def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.AbortResponse:
+        for request_id in request.request_ids:  # an id that has ended, or never ran, is no error
+            for generation in self._running.get(request_id, ()):
+                generation.cancel()
+        return vllm_engine_pb2.AbortResponse()
+
+    async def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        router = self._shared.router
+        if router.any_up:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+        why = "; ".join(f"{link.address}: {link.refusing or link.down_reason}" for link in router.links)
+        return vllm_engine_pb2.HealthCheckResponse(
+            healthy=False, message=f"no worker accepts requests ({why})"
+        )
+
+    async def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        return self._facts.model_info(self._shared.router)
+
+    async def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        admission = self._shared.admission
+        active = admission.running + admission.waiting
+        return self._facts.server_info(self._shared.router, active, self._last_request, admission.max_running)
+
+    async def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        admission = self._shared.admission
+        return vllm_info.loads(
+            self._shared.router, admission.running, admission.waiting, admission.max_running
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        for chunk in await asyncio.to_thread(lambda: list(self._facts.tokenizer_chunks())):
+            yield chunk
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        pages = await self._cache("FlushCache").flush()
+        return common_pb2.FlushCacheResponse(
+            success=True, message=f"dropped {pages} cached pages that no request was using"
+        )
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        async for batch in self._cache("SubscribeKvEvents").events(request.start_sequence_number):
+            yield batch
+
+    async def Embed(
+        self, request: vllm_engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.EmbedResponse:
+        raise Unimplemented("pagedserve serves generation only: no embeddings")
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        raise Unimplemented("pagedserve has no profiler to start; profile a worker with py-spy")
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        raise Unimplemented("pagedserve has no profiler to stop")
+
+    def _cache(self, rpc: str) -> NodeCache:
+        if self._node_cache is None:
+            raise Unimplemented(f"{rpc} needs the node's memory daemon: start the frontend with --daemon")
+        return self._node_cache
+
+
+async def _merged(
+    generations: list[Generation], stream: bool, tracker: RequestTracker
+) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+    """Every sample's messages, in the order they come; the first sample's feed the call's metrics."""
+    queue: asyncio.Queue[vllm_engine_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+    async def relay(index: int, generation: Generation) -> None:
+        answer = SampleAnswer(index, generation, stream)
+        try:
+            async for response in generation.responses():
+                if index == 0:
+                    tracker.responded(response)
+                for message in answer.messages(response):
+                    queue.put_nowait(message)
+            queue.put_nowait(None)
+        except Exception as exc:  # the call fails with it
+            queue.put_nowait(exc)
+
+    relays = [asyncio.create_task(relay(i, generation)) for i, generation in enumerate(generations)]
+    try:
+        ended = 0
+        while ended < len(relays):
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                ended += 1
+            else:
+                yield item
+    finally:
+        for task in relays:
+            task.cancel()
