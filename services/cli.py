@@ -19,6 +19,7 @@ COMMANDS = {
     "daemon": ("memory_daemon.server", "run the KV memory daemon"),
     "worker": ("services.worker.server", "run a compute worker"),
     "frontend": ("services.frontend.server", "run the public gRPC frontend"),
+    "gateway": ("services.gateway", "run SMG's OpenAI-compatible gateway in front of one or more stacks"),
     "generate": ("services.commands.generate", "stream an answer to a prompt"),
     "chat": ("services.commands.chat", "chat with the model in the terminal"),
     "health": ("services.commands.health", "check a server's grpc.health.v1 status"),

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +26,24 @@ from pagedserve.plumbing.rpc import wait_for_health
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def http_ready(url: str) -> bool:
+    """Whether an HTTP server (SMG's gateway) answers url/readiness with 200: it is up and can route."""
+    try:
+        with urllib.request.urlopen(f"{url}/readiness", timeout=1) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def free_port(host: str) -> int:
+    """A port free now on host; pick it just before use, as it may not stay free."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 RESTART_LIMIT = 5  # restarts of one child within a minute
@@ -71,7 +90,7 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=self.env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             start_new_session=True,
         )
         threading.Thread(
@@ -85,7 +104,10 @@ class Launcher:
             if self.stopping.is_set():
                 raise Interrupted(f"stopped while {child.name} was starting")
             try:
-                wait_for_health(child.address, 1.0, child.health_service)
+                if not child.address.startswith("http://"):
+                    wait_for_health(child.address, 1.0, child.health_service)
+                elif not http_ready(child.address):
+                    raise TimeoutError
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:

@@ -19,7 +19,8 @@ certificate issued for another name, or a wildcard --host, does not stand in the
 Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
 `{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
 {"frontend": {"address", "metrics"}, "daemon": {"address", "metrics"}, "workers": [{"name", "address",
-"metrics"}]}, with null metrics when they are off.
+"metrics"}]}, with null metrics when they are off, and {"gateway": {"address"}} under --gateway PORT, which
+puts SMG's OpenAI-compatible gateway in front of the stack (`pagedserve gateway`), stopped first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,7 +44,8 @@ from pagedserve.plumbing.metrics import METRICS_HOST, metrics_url
 from pagedserve.plumbing.private import private_folder, write_private_file
 from pagedserve.plumbing.settings import positive, setting, tcp_port
 from services.frontend.config import FrontendConfig
-from services.launcher import ChildDied, Interrupted, Launcher
+from services.gateway import api_url
+from services.launcher import ChildDied, Interrupted, Launcher, free_port
 from services.worker.config import WorkerConfig
 
 # Set by `up` for each child, so not flags of `up`.
@@ -67,6 +68,9 @@ class StackConfig:
     )
     restart: bool = setting(True, "start a child that dies again (at most 5 times a minute)")
     metrics: bool = setting(True, "each process serves Prometheus metrics on a free loopback port")
+    gateway: int | None = setting(
+        None, "also serve the OpenAI API on this port: SMG's gateway in front of the stack", check=tcp_port
+    )
 
     def __post_init__(self) -> None:
         settings.check_settings(self)
@@ -76,6 +80,7 @@ class StackConfig:
 class Plan:
     stack: StackConfig
     flags: dict[str, list[str]]  # the flags given for each kind of child, to pass on
+    model: str | None = None  # for the gateway's tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +95,9 @@ def configure(args: argparse.Namespace) -> Plan:
         settings.from_args(config, args)
     flags = {name: settings.given_flags(config, args, skip=MANAGED) for name, config in CHILDREN.items()}
     stack = settings.from_args(StackConfig, args)
+    frontend = settings.from_args(FrontendConfig, args)
+    if stack.gateway is not None and (frontend.tls_cert or frontend.api_token):
+        raise ValueError("--gateway reaches the frontend in plain gRPC: it cannot go with TLS or a token")
     if stack.run_dir is not None:
         try:
             stack = replace(stack, run_dir=str(private_folder(stack.run_dir)))
@@ -97,7 +105,7 @@ def configure(args: argparse.Namespace) -> Plan:
             raise ValueError(
                 f"--run-dir {stack.run_dir}: {exc}; give a folder of your own (mode 0700)"
             ) from None
-    return Plan(stack, flags)
+    return Plan(stack, flags, frontend.model)
 
 
 def run(plan: Plan) -> int:
@@ -109,7 +117,7 @@ def run(plan: Plan) -> int:
     launcher = Launcher(run_dir, env)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: launcher.stopping.set())
-    address = f"{stack.host}:{stack.port or _free_port(stack.host)}"
+    address = f"{stack.host}:{stack.port or free_port(stack.host)}"
     try:
         endpoints = _start_stack(launcher, plan, address)
         _write_json(run_dir / "endpoints.json", endpoints)
@@ -144,7 +152,7 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
     def metrics() -> tuple[list[str], str | None]:
         if not plan.stack.metrics:
             return [], None
-        port = _free_port(METRICS_HOST)  # picked just before use: a free port may not stay free
+        port = free_port(METRICS_HOST)  # picked just before use: a free port may not stay free
         return ["--metrics-port", str(port)], metrics_url(port)
 
     daemon_address = f"unix:{launcher.run_dir}/daemon.sock"
@@ -161,23 +169,31 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
     frontend_flags, frontend_metrics = metrics()
     local_address = f"unix:{launcher.run_dir}/frontend.sock"
     frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
+    frontend += ["--daemon", daemon_address]
     frontend += [arg for worker in workers for arg in ("--worker", str(worker["address"]))]
     launcher.start(
         "frontend", [*frontend, *plan.flags["frontend"]], local_address, "pagedserve.v1.Generation"
     )
-    return {
+    endpoints: dict[str, Any] = {}
+    if plan.stack.gateway is not None:
+        endpoints["gateway"] = {"address": _start_gateway(launcher, plan, plan.stack.gateway, address)}
+    return endpoints | {
         "frontend": {"address": address, "metrics": frontend_metrics},
         "daemon": {"address": daemon_address, "metrics": daemon_metrics},
         "workers": workers,
     }
 
 
+def _start_gateway(launcher: Launcher, plan: Plan, port: int, frontend: str) -> str:
+    """SMG's gateway in front of the frontend; returns its OpenAI API's URL."""
+    url = api_url(plan.stack.host, port)
+    # The frontend as the gateway reaches it: by loopback when it listens on every interface.
+    stack = api_url(plan.stack.host, int(frontend.rsplit(":", 1)[1])).removeprefix("http://")
+    gateway = ["gateway", "--stack", stack, "--host", plan.stack.host, "--port", str(port)]
+    launcher.start("gateway", gateway + (["--model", plan.model] if plan.model else []), url)
+    return f"{url}/v1"
+
+
 def _write_json(path: Path, value: object) -> None:
     """Write whole or not at all, through no symlink: a reader never sees half a file."""
     write_private_file(path, json.dumps(value, indent=2) + "\n")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

@@ -35,14 +35,28 @@ def cpu() -> dict:
     return compose_config("docker-compose.yml", "docker-compose.cpu.yml")["services"]
 
 
-def test_three_services_run_the_three_processes(gpu: dict, cpu: dict) -> None:
+STACK = ("daemon", "worker", "frontend")
+
+
+def test_three_services_run_the_three_processes_and_smg_the_gateway(gpu: dict, cpu: dict) -> None:
     for services in (gpu, cpu):
-        assert set(services) == {"daemon", "worker", "frontend"}
-        assert [services[name]["command"][:2] for name in ("daemon", "worker", "frontend")] == [
+        assert set(services) == {*STACK, "smg"}
+        assert [services[name]["command"][:2] for name in (*STACK, "smg")] == [
             ["pagedserve", "daemon"],
             ["pagedserve", "worker"],
             ["pagedserve", "frontend"],
+            ["pagedserve", "gateway"],
         ]
+
+
+def test_the_gateway_fronts_the_frontend_which_follows_the_daemons_cache(gpu: dict, cpu: dict) -> None:
+    for services in (gpu, cpu):
+        frontend, smg = services["frontend"]["command"], services["smg"]["command"]
+        assert frontend[frontend.index("--daemon") + 1] == "daemon:50052"  # KV events for the gateway
+        assert smg[smg.index("--stack") + 1] == "frontend:50051"
+        assert [(p["published"], p["target"]) for p in services["smg"]["ports"]] == [("30000", 30000)]
+        assert services["smg"]["depends_on"]["frontend"]["condition"] == "service_healthy"
+        assert "readiness" in services["smg"]["healthcheck"]["test"][-1]
 
 
 def test_workers_share_the_daemons_ipc_and_pid_namespaces(gpu: dict, cpu: dict) -> None:
@@ -62,19 +76,21 @@ def test_the_gpu_file_reserves_a_gpu_and_the_cpu_override_does_not(gpu: dict, cp
     assert all(s["build"]["args"]["VARIANT"] == "cpu" for s in cpu.values())
 
 
-def test_healthchecks_use_grpc_health_and_only_the_frontend_is_published(gpu: dict, cpu: dict) -> None:
+def test_healthchecks_use_grpc_health_and_only_the_frontend_and_gateway_are_published(
+    gpu: dict, cpu: dict
+) -> None:
     for services in (gpu, cpu):
-        for service in services.values():
-            assert service["healthcheck"]["test"][1:3] == ["pagedserve", "health"]
+        for name in STACK:
+            assert services[name]["healthcheck"]["test"][1:3] == ["pagedserve", "health"]
         assert services["frontend"]["healthcheck"]["test"][-1] == "pagedserve.v1.Generation"
-        assert [name for name, s in services.items() if s.get("ports")] == ["frontend"]
+        assert sorted(name for name, s in services.items() if s.get("ports")) == ["frontend", "smg"]
         assert services["worker"]["depends_on"]["daemon"]["condition"] == "service_healthy"
         assert services["frontend"]["depends_on"]["worker"]["condition"] == "service_healthy"
 
 
 def test_every_service_takes_the_shared_secret_from_a_compose_secret(gpu: dict, cpu: dict) -> None:
     for services in (gpu, cpu):
-        for service in services.values():
+        for service in (services[name] for name in STACK):
             command = service["command"]
             flags = dict(zip(command[2::2], command[3::2], strict=True))
             (mounted,) = service["secrets"]
