@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from tqdm import tqdm
 
 from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
@@ -52,17 +53,35 @@ async def grpc_target(
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> AsyncIterator[Send]:
     """A sender to pagedserve's frontend at address, over one channel."""
-    if credentials is None:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    else:
-        channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-    async with channel:
+    async with _channel(address, credentials) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         async def send(request: BenchRequest) -> RequestRecord:
             return await _one(stub, request, metadata)
 
         yield send
+
+
+async def flush_prefix_cache(
+    address: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> str:
+    """Empty the prefix cache of the node behind pagedserve's frontend at address (SMG's FlushCache), so
+    that a run does not find an earlier run's prompts there; returns what the node said."""
+    async with _channel(address, credentials) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        try:
+            reply = await stub.FlushCache(common_pb2.FlushCacheRequest(), metadata=metadata, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            return f"not flushed ({exc.code().name}: {exc.details()})"
+    return reply.message
+
+
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
 async def _one(

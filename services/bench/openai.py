@@ -1,7 +1,9 @@
 """Sending the bench's requests to any OpenAI-compatible server (vLLM, SGLang, TGI...): streaming
 `/v1/completions`, with the same token-id prompts, exact output lengths and arrival times as pagedserve gets.
 
-A prompt goes as its token ids, so both servers see the same tokens whatever their tokenizers do with text.
+A prompt goes as its token ids, so both servers see the same tokens whatever their tokenizers do with text;
+or, for a server that takes no ids (SMG), as text that tokenizes back to those ids (workloads.with_text).
+A reply whose usage counts other prompt tokens is an error, since the two servers did different work.
 Exact lengths come from `ignore_eos` and `min_tokens` (vLLM's extensions; a server that ignores them may
 stop early, which the per-request token counts show). Each streamed chunk counts as one token arriving;
 when the final usage reports more tokens than chunks, the rest arrived with the last chunk.
@@ -44,7 +46,7 @@ async def _first_model(session: aiohttp.ClientSession) -> str:
 async def _one(session: aiohttp.ClientSession, model: str, request: BenchRequest) -> RequestRecord:
     body = {
         "model": model,
-        "prompt": request.prompt_ids,
+        "prompt": request.prompt_ids if request.prompt_text is None else request.prompt_text,
         "max_tokens": request.max_tokens,
         "min_tokens": request.max_tokens if request.ignore_eos else 0,
         "ignore_eos": request.ignore_eos,
@@ -59,7 +61,9 @@ async def _one(session: aiohttp.ClientSession, model: str, request: BenchRequest
                 record.status = f"HTTP {reply.status}"
                 record.done = time.perf_counter()
                 return record
-            completion_tokens = await _read_stream(reply, record)
+            prompt_tokens, completion_tokens = await _read_stream(reply, record)
+        if prompt_tokens != record.prompt_tokens:
+            record.status = f"{prompt_tokens} prompt tokens, not {record.prompt_tokens}"
         if completion_tokens and record.token_times:  # a chunk is a token, but the usage has the last word
             times = record.token_times
             record.token_times = (times + [times[-1]] * completion_tokens)[:completion_tokens]
@@ -69,9 +73,9 @@ async def _one(session: aiohttp.ClientSession, model: str, request: BenchRequest
     return record
 
 
-async def _read_stream(reply: aiohttp.ClientResponse, record: RequestRecord) -> int:
-    """Time each chunk of the server-sent events; returns the completion tokens the usage reports."""
-    completion_tokens = 0
+async def _read_stream(reply: aiohttp.ClientResponse, record: RequestRecord) -> tuple[int, int]:
+    """Time each chunk of the server-sent events; returns the prompt and completion tokens of the usage."""
+    usage: dict = {}
     async for raw in reply.content:
         line = raw.decode().strip()
         if not line.startswith("data:") or line == "data: [DONE]":
@@ -79,7 +83,6 @@ async def _read_stream(reply: aiohttp.ClientResponse, record: RequestRecord) -> 
         chunk = json.loads(line[len("data:") :])
         if chunk.get("choices"):
             record.token_times.append(time.perf_counter())
-        usage = chunk.get("usage") or {}
-        completion_tokens = usage.get("completion_tokens", completion_tokens)
-        record.cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return int(completion_tokens)
+        usage = chunk.get("usage") or usage
+    record.cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))

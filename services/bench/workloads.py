@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from tokenizers import Tokenizer
 
 WorkloadName = Literal["fixed", "random", "shared-prefix"]
 
@@ -16,6 +20,7 @@ class BenchRequest:
     max_tokens: int
     ignore_eos: bool  # True makes the output exactly max_tokens long
     arrival: float  # seconds after the start; 0 for everyone under a fixed concurrency
+    prompt_text: str | None = None  # the prompt as text, for a server that takes no token ids
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ def make_requests(
     spec: WorkloadSpec,
     count: int,
     *,
-    vocab: range,
+    vocab: Sequence[int],
     rate: float | None = None,
     seed: int = 0,
 ) -> list[BenchRequest]:
@@ -75,3 +80,26 @@ def make_requests(
         if rate is not None:
             arrival += rng.expovariate(rate)
     return requests
+
+
+def word_tokens(tokenizer: Tokenizer) -> list[int]:
+    """The ids of whole ASCII words with a leading space (" cat"). A prompt made of them decodes to text that
+    encodes back to the same ids, since the pre-tokenizer cuts the text at each space: a server that
+    tokenizes the text itself sees exactly the tokens another server gets as ids."""
+    texts = [tokenizer.decode([token_id]) for token_id in range(tokenizer.get_vocab_size())]
+    words = [
+        i for i, text in enumerate(texts) if text[:1] == " " and text[1:].isascii() and text[1:].isalpha()
+    ]
+    encoded = tokenizer.encode_batch([texts[i] for i in words], add_special_tokens=False)
+    return [token_id for token_id, one in zip(words, encoded, strict=True) if one.ids == [token_id]]
+
+
+def with_text(requests: list[BenchRequest], tokenizer: Tokenizer) -> list[BenchRequest]:
+    """The requests with their prompts as text too; refuses a prompt whose text would tokenize otherwise."""
+    texted = []
+    for request in requests:
+        text = tokenizer.decode(request.prompt_ids)
+        if tokenizer.encode(text, add_special_tokens=False).ids != request.prompt_ids:
+            raise ValueError(f"request {request.index}'s prompt does not survive decoding and encoding")
+        texted.append(dataclasses.replace(request, prompt_text=text))
+    return texted

@@ -13,12 +13,14 @@ import json
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from services.bench import report
-from services.bench.load import drive, grpc_target
+from services.bench.load import drive, flush_prefix_cache, grpc_target
 from services.bench.openai import openai_target
 from services.bench.results import Slo, summarize
 from services.bench.scrape import KvSampler
-from services.bench.workloads import WorkloadSpec, make_requests
+from services.bench.workloads import WorkloadSpec, make_requests, with_text, word_tokens
 from services.client import DEFAULT_ADDRESS, Client
 
 
@@ -52,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_range, help="output lengths, e.g. 16-512")
     parser.add_argument("--prefix-len", type=int, help="the shared system prompt's length (shared-prefix)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompts",
+        choices=["ids", "text"],
+        default="ids",
+        help="how OpenAI targets get a prompt: as token ids, or as text for servers that take no ids (SMG); "
+        "text prompts are words of the model's tokenizer that tokenize back to the same ids",
+    )
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput's TTFT bound in seconds")
     parser.add_argument(
         "--slo-tpot", type=float, default=0.5, help="goodput's time-per-token bound in seconds"
@@ -77,20 +86,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     targets = dict(_target(text) for text in args.target) or {"pagedserve": args.address}
-    grpc_address = next((address for address in targets.values() if not _is_http(address)), None)
-    vocab_size, model_id, connection = _pagedserve_facts(args, grpc_address)
+    nodes = [address for address in targets.values() if not _is_http(address)]
+    vocab_size, model_id, connection = _pagedserve_facts(args, nodes[0] if nodes else None)
     spec = WorkloadSpec.named(args.workload, args.input_len, args.output_len, args.prefix_len)
     by_rate = args.rate is not None
     levels = args.rate or args.concurrency or [4.0]
     load_name = "rate (req/s)" if by_rate else "concurrency"
-    vocab = range(min(100, vocab_size - 1), vocab_size)  # past the special tokens at the start
-    # A seed per level: a later run must not find the earlier one's prompts in the prefix cache.
+    tokenizer = _tokenizer(args.model) if args.prompts == "text" else None
+    vocab = word_tokens(tokenizer) if tokenizer else range(min(100, vocab_size - 1), vocab_size)
+    # A seed per level: a later run must not find the earlier one's prompts in a cache the bench cannot flush.
     workloads = {
         level: make_requests(
             spec, args.requests, vocab=vocab, rate=level if by_rate else None, seed=args.seed + i
         )
         for i, level in enumerate(levels)
     }
+    if tokenizer:
+        workloads = {level: with_text(requests, tokenizer) for level, requests in workloads.items()}
     metrics = list(args.metrics) + _worker_metrics(args.endpoints)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     runs: list[dict] = []
@@ -99,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
         for level, requests in workloads.items():
             sampler = KvSampler([] if _is_http(address) else metrics)
             concurrency = None if by_rate else int(level)
+            # Cold caches for each run: a pagedserve node may be loaded twice (directly and behind a
+            # gateway), and a rerun of the bench sends the same prompts.
+            for node in nodes:
+                said = asyncio.run(flush_prefix_cache(node, **connection))
+                print(f"{node}'s prefix cache: {said}", file=sys.stderr, flush=True)
             recs = asyncio.run(
                 _measure(address, args.model, requests, concurrency, sampler, f"{name} {level:g}", connection)
             )
@@ -129,6 +146,12 @@ def _target(text: str) -> tuple[str, str]:
 
 def _is_http(address: str) -> bool:
     return address.startswith(("http://", "https://"))
+
+
+def _tokenizer(model: str | None) -> Tokenizer:
+    from services.common.default_model import resolve_model
+
+    return Tokenizer.from_file(str(resolve_model(model) / "tokenizer.json"))
 
 
 def _pagedserve_facts(args: argparse.Namespace, address: str | None) -> tuple[int, str, dict]:

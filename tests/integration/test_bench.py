@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, Stack, free_port, module_stack
-from tests.waiting import wait_until
+from tests.procs import REPO, Stack, module_stack
 
 
 @pytest.fixture(scope="module")
@@ -68,45 +66,3 @@ def test_poisson_arrivals_behind_a_shared_prefix(stack: Stack, tmp_path: Path) -
     # Requests that arrive after the first one's prefill find the system prompt's 6 pages in the cache.
     assert 0.5 < run["kv"]["prefix_hit_rate"] <= 1.0
     assert run["summary"]["cached_prompt_tokens"] >= 5 * 96
-
-
-@pytest.fixture
-def openai_server(stack: Stack, tmp_path: Path) -> Iterator[str]:
-    """An OpenAI-compatible server in front of the same stack (tests/openai_adapter.py), as a process."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "adapter.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.openai_adapter", stack.address, str(port)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
-    try:
-        wait_until(lambda: _answers(url) or proc.poll() is not None, 60, "the adapter to listen")
-        assert proc.poll() is None, (tmp_path / "adapter.log").read_text()
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def test_an_openai_target_gets_the_same_requests_in_the_same_table(
-    stack: Stack, openai_server: str, tmp_path: Path
-) -> None:
-    result = bench(stack, tmp_path, "--target", f"pagedserve={stack.address}", "--target",
-                   f"openai={openai_server}", "--requests", "5", "--concurrency", "2", "--input-len", "16-48",
-                   "--output-len", "4-12")  # fmt: skip
-    grpc_run, http_run = result["runs"]
-    assert [(run["system"], run["load"]) for run in result["runs"]] == [("pagedserve", 2), ("openai", 2)]
-    for run in result["runs"]:
-        check_run(run, 5)
-    assert grpc_run["summary"]["output_tokens"] == http_run["summary"]["output_tokens"]  # the exact lengths
-    assert http_run["kv"] is None or http_run["kv"].get("kv_fragmentation_samples", 0) == 0
-    assert result["config"]["targets"] == {"pagedserve": stack.address, "openai": openai_server}

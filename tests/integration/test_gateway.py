@@ -1,21 +1,19 @@
 """Two real stacks behind SMG's gateway (`pagedserve gateway`, the pinned `smg` binary), called with the
 OpenAI SDK: chat and completions as pagedserve answers them itself, streamed or not; stop strings, n samples
-and logprobs; a client that goes away mid-stream; bad requests; routing by the daemons' KV events, which a
-worker restart does not clear; and a stack that is killed."""
+and logprobs; a client that goes away mid-stream; bad requests; the bench, straight and through the gateway;
+routing by the daemons' KV events, which a worker restart does not clear; and a stack that is killed."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +24,8 @@ import pytest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.common.default_model import default_model_dir
-from services.launcher import free_port, http_ready
 from tests.clients import Scrape, every_page_accounted
+from tests.integration.gateway import Gateway
 from tests.integration.streams import wait_for_idle_worker
 from tests.procs import REPO, Stack, start_stack
 from tests.waiting import wait_until
@@ -36,47 +34,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # Long shared prefixes: a system prompt of many full pages, different for each routing test.
 PREFIX_B = "You are a careful assistant for a library. " * 40
 PREFIX_A = "You answer questions about the weather in short sentences. " * 30
-ADMIN_KEY = secrets.token_urlsafe(16)
-
-
-class Gateway:
-    def __init__(self, stacks: list[Stack], log_path: Path) -> None:
-        self.port = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "services.cli", "gateway", "--port", str(self.port)]
-        command += [arg for stack in stacks for arg in ("--stack", stack.address)]
-        command += ["--health-check-interval", "1", "--log-level", "info", "--"]
-        # Deterministic routing for the tests: no share of requests set aside for new workers, no shedding.
-        command += ["--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"]
-        command += [
-            "--disable-worker-overload-protection",
-            "--control-plane-api-keys",
-            f"t:t:admin:{ADMIN_KEY}",
-        ]
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        wait_until(lambda: self.ready_workers() == len(stacks), 120, self.describe)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        self.model = self.client.models.list().data[0].id
-
-    def ready_workers(self) -> int:
-        assert self.proc.poll() is None, self.log_path.read_text(errors="replace")
-        if not http_ready(self.url):
-            return 0
-        request = urllib.request.Request(
-            f"{self.url}/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-        )
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            workers = json.load(reply)["workers"]
-        return sum(worker["status"] == "ready" for worker in workers)
-
-    def describe(self) -> str:
-        return f"the gateway to register every stack:\n{self.log_path.read_text(errors='replace')[-3000:]}"
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +188,24 @@ def test_bad_requests_get_4xx_with_a_message_and_every_page_stays_accounted(
         assert every_page_accounted(stack.daemon_address)
 
 
+def test_the_bench_sends_a_stack_and_the_gateway_the_same_tokens(
+    stacks: list[Stack], gateway: Gateway, tmp_path: Path
+) -> None:
+    """The gateway's cost, measured as the README shows it: text prompts that SMG tokenizes back into the
+    bench's ids (other prompt token counts would be errors in the run), each run on a flushed cache."""
+    command = [sys.executable, "-m", "services.cli", "bench", "--target", f"direct={stacks[0].address}",
+               "--target", f"smg={gateway.url}", "--prompts", "text", "--requests", "4", "--concurrency", "2",
+               "--input-len", "40-80", "--output-len", "4-8", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    direct, through = json.loads((tmp_path / "bench.json").read_text())["runs"]
+    for run in (direct, through):
+        assert run["summary"]["completed"] == 4 and run["summary"]["errors"] == {}, run
+        assert run["summary"]["cached_prompt_tokens"] == 0  # the direct run's prompts were flushed
+    assert direct["summary"]["output_tokens"] == through["summary"]["output_tokens"]  # exact lengths
+    assert "prefix cache: dropped" in done.stderr
+
+
 def prompt_tokens(stack: Stack) -> tuple[float, float]:
     """The stack's worker's (prompt tokens, of which from the prefix cache), as it counts them."""
     endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
@@ -278,9 +253,10 @@ def test_a_worker_restart_keeps_the_nodes_events(stacks: list[Stack], gateway: G
     # Its frontend said it was unhealthy while the worker was away: the gateway may have noticed.
     wait_until(lambda: gateway.ready_workers() == 2, 30, gateway.describe)
     before = prompt_tokens(holder)
-    assert ask_with_prefix(gateway, PREFIX_B, "Question 9: name a fruit.") >= 256
+    cached = ask_with_prefix(gateway, PREFIX_B, "Question 9: name a fruit.")
     after = prompt_tokens(holder)
-    assert after[0] > before[0] and after[1] - before[1] >= 256  # routed to it, and served from its daemon
+    assert after[0] > before[0], "the gateway sent the request to the other stack"
+    assert cached >= 256 and after[1] - before[1] >= 256, (cached, before, after)  # served from its daemon
 
 
 def test_the_gateway_routes_around_a_killed_stack(stacks: list[Stack], gateway: Gateway) -> None:
