@@ -11,10 +11,13 @@ import math
 from dataclasses import dataclass
 
 from pagedserve.plumbing.errors import InvalidArgument
+from services.common.structured import Constraint
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature is greedy, and dividing by it would overflow fp32
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
+LOGIT_BIAS_RANGE = 100.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,10 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # top-n log-probabilities per token
+    min_tokens: int = 0  # EOS and stop tokens are held back until this many are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by token id
+    structured: Constraint | None = None
+    prompt_logprobs: int | None = None  # top-n at each prompt position; None: no prompt logprobs
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,6 +67,10 @@ class SamplingOptions:
             _check_range("seed", self.seed, -(1 << 63), (1 << 63) - 1)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidArgument(f"sampling.stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.prompt_logprobs is not None:
+            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +83,17 @@ class SamplingOptions:
     @property
     def filtered(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _check_logit_bias(bias: tuple[tuple[int, float], ...]) -> None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"sampling.logit_bias holds {len(bias)} tokens; at most {MAX_LOGIT_BIAS}")
+    for token_id, value in bias:
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:  # NaN fails too
+            raise InvalidArgument(
+                f"sampling.logit_bias[{token_id}] is {value}; a bias must be between "
+                f"{-LOGIT_BIAS_RANGE} and {LOGIT_BIAS_RANGE}"
+            )
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:

@@ -11,12 +11,13 @@ from typing import Any
 
 import grpc
 
-from pagedserve.plumbing.errors import StatusError
+from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from pagedserve.plumbing.messages import from_message, to_message
 from pagedserve.plumbing.status import grpc_code
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
 from services.common.sampling import SamplingOptions
+from services.common.structured import Constraint
 
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 # A worker sends each stream its load at least this often, so that silence means it is stuck or frozen.
@@ -29,11 +30,39 @@ def sampling_from_pb(params: generation_pb2.SamplingParams, **overrides: object)
 
     Raises InvalidArgument for a value out of range.
     """
-    return from_message(SamplingOptions, params, **overrides)
+    structured = constraint_from_pb(params.structured) if params.HasField("structured") else None
+    return from_message(
+        SamplingOptions,
+        params,
+        **{"logit_bias": tuple(sorted(params.logit_bias.items())), "structured": structured, **overrides},
+    )
 
 
 def sampling_to_pb(options: SamplingOptions) -> generation_pb2.SamplingParams:
-    return to_message(options, generation_pb2.SamplingParams)
+    structured = None if options.structured is None else constraint_to_pb(options.structured)
+    return to_message(
+        options, generation_pb2.SamplingParams, logit_bias=dict(options.logit_bias), structured=structured
+    )
+
+
+def constraint_from_pb(structured: generation_pb2.StructuredOutput) -> Constraint:
+    kind = structured.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("sampling.structured is set but empty: set one of its kinds")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(structured.choice.choices))
+    return Constraint(kind, "" if kind == "json_object" else getattr(structured, kind))
+
+
+def constraint_to_pb(constraint: Constraint) -> generation_pb2.StructuredOutput:
+    if constraint.kind == "choice":
+        choices = generation_pb2.StructuredOutput.Choices(choices=constraint.choices)
+        return generation_pb2.StructuredOutput(choice=choices)
+    if constraint.kind == "json_object":
+        return generation_pb2.StructuredOutput(json_object=True)
+    structured = generation_pb2.StructuredOutput()
+    setattr(structured, constraint.kind, constraint.text)
+    return structured
 
 
 def error_fields(error: StatusError) -> dict[str, Any]:

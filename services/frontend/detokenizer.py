@@ -9,7 +9,8 @@ stay held back until they can no longer begin a stop string; when several stop s
 completed first wins, as it would token by token. When the request ends inside a character (max_tokens, a
 stop token or an abort after some of its bytes), finish() flushes the tokens DecodeStream still holds, decoded
 in context as it would decode them (U+FFFD where the tokenizer puts it), so that the deltas always add up to
-the tokenizer's decode of the output.
+the tokenizer's decode of the output. Under min_tokens, stop strings are looked for only once that many
+tokens are out, as vLLM does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ PROMPT_CONTEXT = 6  # prompt tokens that prime the decoder
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0
+    ) -> None:
         self._tokenizer = tokenizer
         window = list(prompt_ids[-PROMPT_CONTEXT:])
         self._decoder, whole, self._shown = self._primed(window)
@@ -35,6 +38,7 @@ class TextStream:
         self._text = ""  # everything decoded so far
         self._emitted = 0  # how much of it has gone out
         self.stopped = ""  # the stop string found, if any; the text ends before it
+        self._unchecked = min_tokens  # tokens to come before stop strings count (min_tokens)
 
     @property
     def text(self) -> str:
@@ -51,6 +55,7 @@ class TextStream:
                 self._context = [*self._context, *self._pending][-PROMPT_CONTEXT:]
                 self._pending, self._from_prompt = [], 0
                 self._add(piece)
+        self._unchecked -= len(token_ids)
         if self._cut_at_stop():
             return self._release(len(self._text))
         return self._release(len(self._text) - self._hold)
@@ -71,6 +76,8 @@ class TextStream:
 
     def _cut_at_stop(self) -> bool:
         """Cut the text before the stop string completed first, if any; whether one was found."""
+        if self._unchecked > 0:
+            return False
         # A stop string starting before the emitted text would have been found by an earlier push.
         found = [(i + len(s), i, s) for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
         if found:

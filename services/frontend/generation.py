@@ -12,8 +12,9 @@ which frees its pages within one step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Executor
 from typing import TypeVar
 
@@ -24,7 +25,7 @@ from services.common.wire import error_of
 from services.frontend.admission import Admission
 from services.frontend.detokenizer import TextStream
 from services.frontend.metrics import RequestTracker
-from services.frontend.router import Router
+from services.frontend.router import Router, WorkerLink
 from services.frontend.validation import (
     CheckedRequest,
     ModelLimits,
@@ -52,11 +53,19 @@ class Shared:
         """Off the event loop, on the bounded tokenizer threads: a long prompt takes a while."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function)
 
-    def start(self, request: generation_pb2.GenerateRequest, tracker: RequestTracker) -> Generation:
-        """Check a request and start generating it; a bad request is refused here, before admission."""
+    def start(self, request: generation_pb2.GenerateRequest, tracker: RequestTracker) -> list[Generation]:
+        """Check a request and start generating its samples; a bad request is refused here, before admission.
+
+        Sample 0 leads: the others wait for its prompt's ids, then go to its worker, which computes the prompt
+        once and finds its full pages in the prefix cache for them.
+        """
         limits = self.router.limits()
         check_sizes(request.prompt, request.messages, limits, len(request.prompt_token_ids))
-        return Generation(self, self.builder.check(request, limits), limits, tracker)
+        checked = self.builder.check(request, limits)
+        leader = Generation(self, checked, limits, tracker)
+        return [leader] + [
+            Generation(self, checked, limits, tracker, (index, leader)) for index in range(1, checked.n)
+        ]
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one per process, and the cache is the point
     def token_text(self, token_id: int) -> str:
@@ -70,12 +79,18 @@ class Generation:
         checked: CheckedRequest,
         limits: ModelLimits,
         tracker: RequestTracker,
+        sample: tuple[int, Generation] | None = None,
     ) -> None:
+        """sample: for a sample after the first, its index and the first sample's Generation."""
         self._shared = shared
         self._tracker = tracker
         self._queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
         self.prompt_tokens = 0  # known once tokenized: before the first response
-        self._task = asyncio.create_task(self._run(checked, limits))
+        self.first_prompt_token = 0  # likewise
+        self.index, self._leader = sample or (0, None)  # type: tuple[int, Generation | None]
+        # The request as its worker got it, and where: what the later samples follow.
+        self.submitted: asyncio.Future[tuple[PreparedRequest, WorkerLink, str]] = asyncio.Future()
+        self._task = asyncio.create_task(self._run(checked, limits) if sample is None else self._follow())
 
     async def responses(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
         while (item := await self._queue.get()) is not _END:
@@ -88,25 +103,59 @@ class Generation:
         self._task.cancel()
 
     async def _run(self, checked: CheckedRequest, limits: ModelLimits) -> None:
-        try:
+        async def generate() -> None:
             self._tracker.queued()
             async with self._shared.admission.slot(checked.request.priority):
                 self._tracker.admitted()
                 tokenize = functools.partial(self._shared.builder.tokenize, checked, limits)
                 await self._generate(await self._shared.run_tokenizer(tokenize))
+
+        await self._reporting(generate())
+
+    async def _follow(self) -> None:
+        """A later sample: the first one's request with its own seed, on the first one's worker if it is up.
+        It takes its admission slot only once the first has tokenized, so samples never wait on each other
+        for slots."""
+        first = self._leader
+        assert first is not None
+
+        async def generate() -> None:
+            leader, link, leader_id = await asyncio.shield(first.submitted)
+            async with self._shared.admission.slot(leader.priority):
+                await self._generate(sample_of(leader, self.index), (link, leader_id))
+
+        await self._reporting(generate())
+
+    async def _reporting(self, generation: Coroutine[None, None, None]) -> None:
+        """Run generation, ending the queue with its error, or with ABORT when cancelled."""
+        try:
+            await generation
         except Exception as exc:  # delivered to the caller, which reports it
+            self.submitted.cancel()  # the later samples end too (a no-op once they are on their way)
             self._queue.put_nowait(exc)
         except asyncio.CancelledError:
-            self._queue.put_nowait(generation_pb2.GenerateResponse(finish_reason=Reason.ABORT))
+            self.submitted.cancel()
+            self._queue.put_nowait(
+                generation_pb2.GenerateResponse(finish_reason=Reason.ABORT, index=self.index)
+            )
             self._queue.put_nowait(_END)
             raise
         self._queue.put_nowait(_END)
 
-    async def _generate(self, prepared: PreparedRequest) -> None:
-        link = self._shared.router.pick()
-        worker_id, outputs = link.submit(prepared)
-        self.prompt_tokens = len(prepared.prompt_ids)
-        text = TextStream(self._shared.tokenizer.backend_tokenizer, prepared.prompt_ids, prepared.stop)
+    async def _generate(
+        self, prepared: PreparedRequest, follow: tuple[WorkerLink, str] | None = None
+    ) -> None:
+        link = follow[0] if follow and follow[0].accepting else self._shared.router.pick()
+        worker_id, outputs = link.submit(prepared, follows=follow[1] if follow and link is follow[0] else "")
+        if not self.submitted.done():
+            self.submitted.set_result((prepared, link, worker_id))
+        self.prompt_tokens, self.first_prompt_token = len(prepared.prompt_ids), prepared.prompt_ids[0]
+        text = TextStream(
+            self._shared.tokenizer.backend_tokenizer,
+            prepared.prompt_ids,
+            prepared.stop,
+            prepared.options.min_tokens,
+        )
         completion_tokens = 0
         finished = False
         try:
@@ -130,6 +179,8 @@ class Generation:
                     token_ids=output.token_ids,
                     logprobs=[self._with_text(lp) for lp in output.logprobs],
                     finish_reason=reason,
+                    index=self.index,
+                    prompt_logprobs=[self._with_text(lp) for lp in output.prompt_logprobs],
                 )
                 if reason:
                     finished = True
@@ -146,6 +197,47 @@ class Generation:
         for top in logprobs.top:
             top.text = self._shared.token_text(top.token_id)
         return logprobs
+
+
+def sample_of(first: PreparedRequest, index: int) -> PreparedRequest:
+    """Sample index of a request, as its first sample was prepared: its own seed (seed + index, so the
+    same seed gives the same samples), and no prompt log-probabilities, which the first sample returns."""
+    options = first.options
+    seed = None if options.seed is None else (options.seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
+    options = dataclasses.replace(options, seed=seed, prompt_logprobs=None)
+    return dataclasses.replace(first, options=options)
+
+
+async def merged(generations: list[Generation]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """Every sample's responses, in the order they come (each says its index); the first error ends it."""
+    if len(generations) == 1:
+        async for response in generations[0].responses():
+            yield response
+        return
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+    async def relay(generation: Generation) -> None:
+        try:
+            async for response in generation.responses():
+                queue.put_nowait(response)
+            queue.put_nowait(None)
+        except Exception as exc:  # the call fails with it
+            queue.put_nowait(exc)
+
+    relays = [asyncio.create_task(relay(generation)) for generation in generations]
+    try:
+        ended = 0
+        while ended < len(relays):
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                ended += 1
+            else:
+                yield item
+    finally:
+        for task in relays:
+            task.cancel()
 
 
 def _set_matched_stop(

@@ -91,8 +91,9 @@ class WorkerLink:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(self, prepared: PreparedRequest) -> tuple[str, asyncio.Queue[Output]]:
-        """Send a request to the worker; returns its id on this stream and the queue of its outputs."""
+    def submit(self, prepared: PreparedRequest, follows: str = "") -> tuple[str, asyncio.Queue[Output]]:
+        """Send a request to the worker; returns its id on this stream and the queue of its outputs.
+        follows: the id of an earlier sample of the same prompt on this stream."""
         if not self.up:
             raise WorkerDown(f"worker {self.address} is down")
         request_id = str(next(self._ids))
@@ -104,6 +105,7 @@ class WorkerLink:
             sampling=sampling_to_pb(prepared.options),
             priority=prepared.priority,
             cache_salt=prepared.cache_salt,
+            follows=follows,
         )
         self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit]))
         return request_id, queue

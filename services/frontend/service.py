@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 
 from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from services.frontend.generation import Shared
+from services.frontend.generation import Shared, merged
 from services.frontend.metrics import SLOW_READERS, RequestTracker
 from services.frontend.validation import check_sizes
 
@@ -39,20 +39,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         with RequestTracker(context) as tracker:
-            generation = self._shared.start(request, tracker)
+            generations = self._shared.start(request, tracker)
             try:
-                async for response in generation.responses():
-                    tracker.responded(response)
+                async for response in merged(generations):
+                    if response.index == 0:  # the call's latencies are its first sample's
+                        tracker.responded(response)
                     await deliver(context, response, self._drain_timeout_s)
             finally:
-                generation.cancel()
+                for generation in generations:
+                    generation.cancel()
 
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
+        if request.sampling.n > 1:
+            raise InvalidArgument("Complete returns one completion: use Generate for n > 1 samples")
         whole = generation_pb2.GenerateResponse()
         with RequestTracker(context) as tracker:
-            generation = self._shared.start(request, tracker)
+            (generation,) = self._shared.start(request, tracker)
             try:
                 async for response in generation.responses():
                     tracker.responded(response)
@@ -60,6 +64,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     whole.text += response.text
                     whole.token_ids.extend(response.token_ids)
                     whole.logprobs.extend(response.logprobs)
+                    whole.prompt_logprobs.extend(response.prompt_logprobs)
                     whole.finish_reason = response.finish_reason
                     if response.HasField("usage"):
                         whole.usage.CopyFrom(response.usage)

@@ -22,6 +22,7 @@ from services.common.wire import sampling_from_pb
 from services.frontend.chat import ChatRenderer
 
 MAX_STOP_STRINGS = 16
+MAX_SAMPLES = 16  # n
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 256
 MAX_CACHE_SALT_BYTES = 256
@@ -45,6 +46,7 @@ class CheckedRequest:
     options: SamplingOptions  # max_tokens not yet cut to the room the prompt leaves
     stop: tuple[str, ...]
     cache_salt: str
+    n: int = 1  # samples
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,28 @@ class RequestBuilder:
         _check_tokens("prompt_token_ids", request.prompt_token_ids, limits.vocab_size)
         sampling = request.sampling
         _check_tokens("sampling.stop_token_ids", sampling.stop_token_ids, limits.vocab_size)
+        if sampling.logit_bias and (most := max(sampling.logit_bias)) >= limits.vocab_size:
+            raise InvalidArgument(
+                f"sampling.logit_bias has token id {most}, which is not a token of this model "
+                f"(0..{limits.vocab_size - 1})"
+            )
         defaults = {} if sampling.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
         options = sampling_from_pb(sampling, **defaults)
-        return CheckedRequest(request, options, _stop_strings(sampling.stop), _cache_salt(request.cache_salt))
+        n = sampling.n if sampling.HasField("n") else 1
+        if not 1 <= n <= MAX_SAMPLES:
+            raise InvalidArgument(f"sampling.n is {n}; a request takes 1 to {MAX_SAMPLES} samples")
+        stop = _stop_strings(sampling.stop)
+        return CheckedRequest(request, options, stop, _cache_salt(request.cache_salt), n)
 
     def tokenize(self, checked: CheckedRequest, limits: ModelLimits) -> PreparedRequest:
         request = checked.request
         prompt_ids = self.prompt_ids(request.prompt, request.prompt_token_ids, request.messages)
         room = check_prompt_fits(len(prompt_ids), limits.max_model_len)
         # Never ask for more than the context has room for: generation would stop there anyway.
-        options = dataclasses.replace(checked.options, max_tokens=min(checked.options.max_tokens, room))
+        most = min(checked.options.max_tokens, room)
+        options = dataclasses.replace(
+            checked.options, max_tokens=most, min_tokens=min(checked.options.min_tokens, most)
+        )
         return PreparedRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_ids=prompt_ids,

@@ -20,12 +20,13 @@ FINISH_REASONS = {Reason.STOP: "stop", Reason.LENGTH: "length", Reason.ABORT: "a
 
 
 class SampleAnswer:
-    def __init__(self, index: int, generation: Generation, stream: bool) -> None:
-        self._index = index
+    def __init__(self, generation: Generation, stream: bool) -> None:
+        self._index = generation.index
         self._generation = generation
         self._stream = stream
         self._token_ids: list[int] = []
         self._logprobs: list[generation_pb2.TokenLogprobs] = []
+        self._prompt_logprobs: list[generation_pb2.TokenLogprobs] = []
 
     def messages(
         self, response: generation_pb2.GenerateResponse
@@ -40,9 +41,12 @@ class SampleAnswer:
                 index=self._index,
             )
             _add_logprobs(chunk.output_logprobs, response.logprobs)
+            if response.prompt_logprobs:
+                chunk.input_logprobs.CopyFrom(self._input_logprobs(response.prompt_logprobs))
             yield vllm_engine_pb2.GenerateResponse(chunk=chunk)
         self._token_ids.extend(response.token_ids)
         self._logprobs.extend(response.logprobs)
+        self._prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             yield vllm_engine_pb2.GenerateResponse(complete=self._complete(response))
 
@@ -56,12 +60,30 @@ class SampleAnswer:
             index=self._index,
         )
         _add_logprobs(complete.output_logprobs, last.logprobs if self._stream else self._logprobs)
+        if self._prompt_logprobs and not self._stream:
+            complete.input_logprobs.CopyFrom(self._input_logprobs(self._prompt_logprobs))
         stop = last.WhichOneof("matched_stop")
         if stop == "matched_token_id":
             complete.matched_token_id = last.matched_token_id
         elif stop == "matched_stop_str":
             complete.matched_stop_str = last.matched_stop_str
         return complete
+
+    def _input_logprobs(
+        self, scored: Iterable[generation_pb2.TokenLogprobs]
+    ) -> vllm_engine_pb2.InputLogProbs:
+        """vLLM's prompt logprobs: the first prompt token has none, then one entry per token."""
+        first = self._generation.first_prompt_token
+        scored = list(scored)
+        out = vllm_engine_pb2.InputLogProbs(token_ids=[first, *(entry.token_id for entry in scored)])
+        out.token_logprobs.add()
+        out.top_logprobs.add()
+        for entry in scored:
+            out.token_logprobs.add(value=entry.logprob)
+            out.top_logprobs.add(
+                token_ids=[top.token_id for top in entry.top], values=[top.logprob for top in entry.top]
+            )
+        return out
 
 
 def _add_logprobs(

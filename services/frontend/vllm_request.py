@@ -2,10 +2,11 @@
 
 The gateway tokenizes and detokenizes itself, so a request arrives as token ids (or text) with vLLM's
 sampling parameters, and what goes back is token ids. Each field is either given its vLLM meaning here or
-refused by name: multimodal inputs, KV transfer, structured outputs, logit bias and prompt logprobs get
-UNIMPLEMENTED, never silent neglect. Fields that only shape the gateway's own detokenization
-(skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output) change no token, so they
-are the gateway's to apply. `n` samples are n requests of the same prompt (`samples`).
+refused by name: multimodal inputs, KV transfer, structural tags and prompt truncation get UNIMPLEMENTED,
+never silent neglect. Fields that only shape the gateway's own detokenization (skip_special_tokens,
+spaces_between_special_tokens, include_stop_str_in_output) change no token, so they are the gateway's to
+apply; grammar_from_first_token changes nothing either, since pagedserve runs no reasoning parser and a
+constraint always starts at the first generated token.
 """
 
 from __future__ import annotations
@@ -16,29 +17,18 @@ from pagedserve.plumbing.errors import InvalidArgument, Unimplemented
 from pagedserve.v1 import generation_pb2
 from services.common.sampling import MAX_LOGPROBS
 
-MAX_SAMPLES = 16
 
-
-def samples(request: vllm_engine_pb2.GenerateRequest) -> list[generation_pb2.GenerateRequest]:
-    """The pagedserve requests that answer one vLLM request: one per sample of its `n`."""
+def request_of(request: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    """The pagedserve request that answers a vLLM request, its n samples included."""
     _refuse_unsupported(request)
-    params = request.sampling_params
-    n = params.n or 1
-    if n > MAX_SAMPLES:
-        raise InvalidArgument(f"sampling_params.n is {n}; at most {MAX_SAMPLES} samples a request")
-    base = generation_pb2.GenerateRequest(request_id=request.request_id, sampling=_sampling(params))
+    converted = generation_pb2.GenerateRequest(
+        request_id=request.request_id, sampling=_sampling(request.sampling_params)
+    )
     if request.WhichOneof("input") == "tokenized":
-        base.prompt_token_ids.extend(request.tokenized.input_ids)
+        converted.prompt_token_ids.extend(request.tokenized.input_ids)
     else:
-        base.prompt = request.text
-    requests = []
-    for index in range(n):
-        sample = generation_pb2.GenerateRequest()
-        sample.CopyFrom(base)
-        if index and sample.sampling.HasField("seed"):
-            sample.sampling.seed += index  # each sample its own draw, and the same ones for the same seed
-        requests.append(sample)
-    return requests
+        converted.prompt = request.text
+    return converted
 
 
 def _sampling(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.SamplingParams:
@@ -53,6 +43,8 @@ def _sampling(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sampling
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        n=params.n or 1,
     )
     if params.HasField("temperature"):
         sampling.temperature = params.temperature
@@ -60,13 +52,28 @@ def _sampling(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.Sampling
         sampling.max_tokens = params.max_tokens
     if params.HasField("seed"):
         sampling.seed = params.seed
-    if params.HasField("logprobs"):
-        if params.logprobs < 0:
-            raise InvalidArgument(
-                f"sampling_params.logprobs is {params.logprobs} (every token); at most {MAX_LOGPROBS}"
-            )
-        sampling.logprobs = params.logprobs
+    for field in ("logprobs", "prompt_logprobs"):
+        if params.HasField(field):
+            value = getattr(params, field)
+            if value < 0:
+                raise InvalidArgument(f"sampling_params.{field} is {value} (all); at most {MAX_LOGPROBS}")
+            setattr(sampling, field, value)
+    for token_id, bias in params.logit_bias.items():
+        if token_id < 0:
+            raise InvalidArgument(f"sampling_params.logit_bias has token id {token_id}, which is negative")
+        sampling.logit_bias[token_id] = bias
+    _constrain(sampling.structured, params)
     return sampling
+
+
+def _constrain(structured: generation_pb2.StructuredOutput, params: vllm_engine_pb2.SamplingParams) -> None:
+    constraint = params.WhichOneof("constraint")
+    if constraint == "structural_tag":
+        raise Unimplemented("structural tags (structured outputs for tool-call formats) are not supported")
+    if constraint == "choice":
+        structured.choice.choices.extend(params.choice.choices)
+    elif constraint is not None:
+        setattr(structured, constraint, getattr(params, constraint))
 
 
 def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
@@ -80,28 +87,5 @@ def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
         raise InvalidArgument(
             f"data_parallel_rank is {request.data_parallel_rank}; this worker has rank 0 only"
         )
-    params = request.sampling_params
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        raise Unimplemented(f"structured outputs ({constraint}) are not supported by pagedserve yet")
-    for field, what in (
-        ("prompt_logprobs", "prompt logprobs"),
-        ("truncate_prompt_tokens", "prompt truncation (truncate_prompt_tokens)"),
-    ):
-        if params.HasField(field):
-            raise Unimplemented(f"{what} is not supported by pagedserve yet")
-    if params.logit_bias:
-        raise Unimplemented("logit_bias is not supported by pagedserve yet")
-    _check_min_tokens(params)
-
-
-def _check_min_tokens(params: vllm_engine_pb2.SamplingParams) -> None:
-    """min_tokens holds back EOS, stop tokens and stop strings until that many tokens are out; pagedserve
-    takes it only where none of them can end a request early, where it changes nothing."""
-    if params.min_tokens <= 1:
-        return
-    if not params.ignore_eos or params.stop or params.stop_token_ids:
-        raise Unimplemented(
-            f"min_tokens ({params.min_tokens}) is supported only with ignore_eos and no stop or "
-            "stop_token_ids, where nothing can end the request before max_tokens"
-        )
+    if request.sampling_params.HasField("truncate_prompt_tokens"):
+        raise Unimplemented("prompt truncation (truncate_prompt_tokens) is not supported by pagedserve yet")

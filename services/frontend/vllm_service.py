@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 
 from pagedserve.plumbing.errors import InvalidArgument, Unimplemented
 from services.frontend import vllm_info, vllm_request
-from services.frontend.generation import Generation, Shared
+from services.frontend.generation import Generation, Shared, merged
 from services.frontend.metrics import RequestTracker
 from services.frontend.node_cache import NodeCache
 from services.frontend.service import deliver
@@ -50,13 +50,17 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._running:
             raise InvalidArgument(f"request {request_id!r} is already running; give each request its own id")
-        samples = vllm_request.samples(request)
+        converted = vllm_request.request_of(request)
         with RequestTracker(context) as tracker:
-            generations = [self._shared.start(sample, tracker) for sample in samples]
+            generations = self._shared.start(converted, tracker)
             self._running[request_id] = generations
+            answers = [SampleAnswer(generation, request.stream) for generation in generations]
             try:
-                async for message in _merged(generations, request.stream, tracker):
-                    await deliver(context, message, self._drain_timeout_s)
+                async for response in merged(generations):
+                    if response.index == 0:  # the call's latencies are its first sample's
+                        tracker.responded(response)
+                    for message in answers[response.index].messages(response):
+                        await deliver(context, message, self._drain_timeout_s)
             finally:
                 del self._running[request_id]
                 for generation in generations:
@@ -140,37 +144,3 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         if self._node_cache is None:
             raise Unimplemented(f"{rpc} needs the node's memory daemon: start the frontend with --daemon")
         return self._node_cache
-
-
-async def _merged(
-    generations: list[Generation], stream: bool, tracker: RequestTracker
-) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
-    """Every sample's messages, in the order they come; the first sample's feed the call's metrics."""
-    queue: asyncio.Queue[vllm_engine_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
-
-    async def relay(index: int, generation: Generation) -> None:
-        answer = SampleAnswer(index, generation, stream)
-        try:
-            async for response in generation.responses():
-                if index == 0:
-                    tracker.responded(response)
-                for message in answer.messages(response):
-                    queue.put_nowait(message)
-            queue.put_nowait(None)
-        except Exception as exc:  # the call fails with it
-            queue.put_nowait(exc)
-
-    relays = [asyncio.create_task(relay(i, generation)) for i, generation in enumerate(generations)]
-    try:
-        ended = 0
-        while ended < len(relays):
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                ended += 1
-            else:
-                yield item
-    finally:
-        for task in relays:
-            task.cancel()

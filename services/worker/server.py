@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from kernels import KernelBackend, TorchBackend
 from kernels.cpu_backend import CpuBackend, cpu_ops
@@ -24,12 +25,14 @@ from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.engine import EngineCore
+from services.worker.core.grammar import Grammars
 from services.worker.core.loop import EngineLoop
 from services.worker.kv.base import KVCache
 from services.worker.kv.local import LocalKVCache
 from services.worker.kv.remote import DaemonError, DaemonKVCache
 from services.worker.metrics import instrument
 from services.worker.models import CausalLM
+from services.worker.models.spec import ModelSpec
 from services.worker.service import SERVICE_NAME, WorkerService, worker_info
 
 log = logging.getLogger(__name__)
@@ -100,7 +103,18 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     if device.type == "cuda" and config.cuda_graphs:
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()
-    return LoadedWorker(EngineLoop(EngineCore(model, kv, config.engine, graphs)), model_dir, model_id, attach)
+    engine = EngineLoop(EngineCore(model, kv, config.engine, graphs, _grammars(model_dir, spec)))
+    return LoadedWorker(engine, model_dir, model_id, attach)
+
+
+def _grammars(model_dir: Path, spec: ModelSpec) -> Grammars | None:
+    """Structured outputs' compiler for the model's tokenizer; None (they are refused) without a tokenizer."""
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        log.warning("no structured outputs: %s has no usable tokenizer (%s)", model_dir, exc)
+        return None
+    return Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
 
 
 async def keep_attached(

@@ -28,7 +28,8 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.wire import HEARTBEAT_S, error_fields, sampling_from_pb
 from services.worker.config import WorkerConfig
 from services.worker.core.loop import EngineLoop
-from services.worker.core.outputs import RequestOutput, TokenLogprob
+from services.worker.core.outputs import RequestOutput
+from services.worker.core.sequence import TokenLogprob
 from services.worker.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     for submit in request.submit
                     if (error := self._submit(stream, submit, live))
                 ]
-                if refused:
-                    queue.put_nowait(worker_pb2.StepOutputs(outputs=refused))
+                if refused:  # every message carries the load, which the frontend takes as it is
+                    queue.put_nowait(worker_pb2.StepOutputs(outputs=refused, load=self._load()))
                 if request.abort:
                     self._engine.abort((stream, rid) for rid in request.abort if rid in live)
         finally:
@@ -157,10 +158,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             options = sampling_from_pb(submit.sampling)
             key = (stream, submit.request_id)
-            core = self._engine.core
-            self._engine.submit(
-                core.new_sequence(key, submit.prompt_token_ids, options, submit.priority, submit.cache_salt)
+            follows = (stream, submit.follows) if submit.follows in live else None
+            seq = self._engine.core.new_sequence(
+                key, submit.prompt_token_ids, options, submit.priority, submit.cache_salt, follows
             )
+            self._engine.submit(seq)
         except StatusError as refusal:
             return error_fields(refusal)
         live.add(submit.request_id)
@@ -202,6 +204,7 @@ def output_pb(request_id: str, output: RequestOutput) -> worker_pb2.RequestOutpu
         finish_reason=reason,
         prompt_tokens=output.prompt_tokens,
         cached_prompt_tokens=output.cached_prompt_tokens,
+        prompt_logprobs=[logprobs_pb(lp) for lp in output.prompt_logprobs],
         **(error_fields(output.error) if output.error else {}),
     )
 

@@ -133,12 +133,44 @@ def test_closing_the_stream_frees_its_pages(stack: Stack, vllm, ours) -> None:  
     assert every_page_accounted(stack.daemon_address)
 
 
+def test_constraints_bias_and_prompt_logprobs_equal_pagedserves_own(vllm, ours) -> None:  # type: ignore[no-untyped-def]
+    ids = tokens(ours, "My favourite colour is")
+    choice = vllm_engine_pb2.ChoiceConstraint(choices=[" red", " green", " blue"])
+    (whole,) = vllm.Generate(
+        generate(
+            ids, False, max_tokens=8, temperature=0, choice=choice, logit_bias={2: 0.5}, prompt_logprobs=2
+        )
+    )
+    own = ours.Complete(
+        pb.GenerateRequest(
+            prompt_token_ids=ids,
+            sampling=pb.SamplingParams(
+                max_tokens=8,
+                temperature=0,
+                structured=pb.StructuredOutput(
+                    choice=pb.StructuredOutput.Choices(choices=list(choice.choices))
+                ),
+                logit_bias={2: 0.5},
+                prompt_logprobs=2,
+            ),
+        )
+    )
+    assert list(whole.complete.output_ids) == list(own.token_ids) and whole.complete.finish_reason == "stop"
+    scored = whole.complete.input_logprobs
+    assert list(scored.token_ids) == ids and not scored.token_logprobs[0].HasField("value")  # vLLM's None
+    assert [entry.value for entry in scored.token_logprobs[1:]] == pytest.approx(
+        [entry.logprob for entry in own.prompt_logprobs], abs=1e-4
+    )
+    assert [list(top.token_ids) for top in scored.top_logprobs[1:]] == [
+        [top.token_id for top in entry.top] for entry in own.prompt_logprobs
+    ]
+
+
 def test_what_pagedserve_does_not_do_is_refused_by_name(vllm, ours) -> None:  # type: ignore[no-untyped-def]
     ids = tokens(ours, "Hello")
     refusals = {
-        "logit_bias": dict(logit_bias={5: 1.0}),
-        "prompt logprobs": dict(prompt_logprobs=1),
-        "structured outputs": dict(regex="a+"),
+        "structural tags": dict(structural_tag="{}"),
+        "prompt truncation": dict(truncate_prompt_tokens=2),
     }
     for words, sampling in refusals.items():
         with pytest.raises(grpc.RpcError) as refused:
@@ -147,11 +179,10 @@ def test_what_pagedserve_does_not_do_is_refused_by_name(vllm, ours) -> None:  # 
     with pytest.raises(grpc.RpcError) as refused:
         vllm.Embed(vllm_engine_pb2.EmbedRequest(request_id="e"))
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    with pytest.raises(grpc.RpcError) as refused:
-        list(vllm.Generate(generate([10**6], True)))
-    assert (
-        refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a token" in refused.value.details()
-    )
+    for bad, words in (([10**6], "not a token"), ([5], "does not compile")):
+        with pytest.raises(grpc.RpcError) as refused:
+            list(vllm.Generate(generate(bad, True, regex="(" if words == "does not compile" else "")))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
 
 
 def test_model_server_and_load_facts(vllm) -> None:  # type: ignore[no-untyped-def]

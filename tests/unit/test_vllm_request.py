@@ -1,5 +1,6 @@
-"""SMG's vLLM GenerateRequest at the frontend's edge: each sampling field with vLLM's meaning, one request per
-sample of n, and every field pagedserve does not do refused by name, never dropped."""
+"""SMG's vLLM GenerateRequest at the frontend's edge: each sampling field with vLLM's meaning (n, structured
+outputs, logit bias, min_tokens and prompt logprobs included), and every field pagedserve does not do refused
+by name, never dropped."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from pagedserve.plumbing.errors import InvalidArgument, StatusError, Unimplemented
-from services.frontend.vllm_request import MAX_SAMPLES, samples
+from services.common.structured import Constraint
+from services.common.wire import sampling_from_pb
+from services.frontend.vllm_request import request_of
 
 KV_TRANSFER = vllm_engine_pb2.KvTransferParams(remote_port=1)
 
@@ -23,7 +26,7 @@ def request(**sampling: object) -> vllm_engine_pb2.GenerateRequest:
 
 
 def test_sampling_fields_keep_their_vllm_meanings() -> None:
-    (sample,) = samples(
+    sample = request_of(
         request(
             temperature=0.7,
             top_p=0.9,
@@ -40,6 +43,10 @@ def test_sampling_fields_keep_their_vllm_meanings() -> None:
             seed=11,
             skip_special_tokens=True,  # the gateway detokenizes: no token changes
             include_stop_str_in_output=True,
+            min_tokens=2,
+            n=3,
+            prompt_logprobs=0,
+            logit_bias={5: 10.0, 9: -100.0},
         )
     )
     assert list(sample.prompt_token_ids) == [5, 6, 7] and sample.request_id == "r1"
@@ -47,50 +54,53 @@ def test_sampling_fields_keep_their_vllm_meanings() -> None:
     assert (s.temperature, s.top_p, s.top_k, s.min_p) == pytest.approx((0.7, 0.9, 40, 0.05))
     assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == pytest.approx((0.5, -0.5, 1.2))
     assert (s.max_tokens, list(s.stop), list(s.stop_token_ids), s.ignore_eos) == (17, ["\n\n"], [2], True)
-    assert (s.logprobs, s.seed) == (3, 11)
+    assert (s.logprobs, s.seed, s.min_tokens, s.n, s.prompt_logprobs) == (3, 11, 2, 3, 0)
+    assert dict(s.logit_bias) == {5: 10.0, 9: -100.0}
 
 
 def test_proto3_zeros_take_vllms_defaults() -> None:
-    (sample,) = samples(request())
-    s = sample.sampling
+    s = request_of(request()).sampling
     assert not s.HasField("temperature") and not s.HasField("max_tokens") and not s.HasField("seed")
-    assert (s.top_p, s.repetition_penalty, s.top_k) == (1.0, 1.0, 0)
+    assert not s.HasField("prompt_logprobs") and not s.HasField("structured")
+    assert (s.top_p, s.repetition_penalty, s.top_k, s.n, s.min_tokens) == (1.0, 1.0, 0, 1, 0)
 
 
 def test_text_input_becomes_the_prompt() -> None:
-    (sample,) = samples(vllm_engine_pb2.GenerateRequest(request_id="t", text="Hello"))
+    sample = request_of(vllm_engine_pb2.GenerateRequest(request_id="t", text="Hello"))
     assert sample.prompt == "Hello" and not sample.prompt_token_ids
 
 
-def test_n_samples_are_n_requests_each_with_its_own_seed() -> None:
-    many = samples(request(n=3, seed=7, temperature=1.0))
-    assert [s.sampling.seed for s in many] == [7, 8, 9]
-    assert all(list(s.prompt_token_ids) == [5, 6, 7] for s in many)
-    assert all(not s.sampling.HasField("seed") for s in samples(request(n=2)))
-    with pytest.raises(InvalidArgument, match=f"at most {MAX_SAMPLES}"):
-        samples(request(n=MAX_SAMPLES + 1))
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("json_schema", '{"type": "object"}', Constraint("json_schema", '{"type": "object"}')),
+        ("json_object", True, Constraint("json_object")),
+        ("regex", "a+", Constraint("regex", "a+")),
+        ("grammar", 'root ::= "x"', Constraint("grammar", 'root ::= "x"')),
+        (
+            "choice",
+            vllm_engine_pb2.ChoiceConstraint(choices=["a", "b"]),
+            Constraint("choice", choices=("a", "b")),
+        ),
+    ],
+)
+def test_each_structured_output_becomes_pagedserves_constraint(
+    field: str, value: object, expected: Constraint
+) -> None:
+    sampling = request_of(request(**{field: value})).sampling
+    assert sampling_from_pb(sampling).structured == expected
 
 
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [
-        ("json_schema", '{"type": "object"}', "structured outputs (json_schema)"),
-        ("regex", "a+", "structured outputs (regex)"),
-        ("choice", vllm_engine_pb2.ChoiceConstraint(choices=["a"]), "structured outputs (choice)"),
-        ("prompt_logprobs", 1, "prompt logprobs"),
+        ("structural_tag", "{}", "structural tags"),
         ("truncate_prompt_tokens", 8, "prompt truncation (truncate_prompt_tokens)"),
-        ("logit_bias", {5: 10.0}, "logit_bias"),
-        ("min_tokens", 4, "min_tokens (4) is supported only with ignore_eos"),
     ],
 )
 def test_what_pagedserve_does_not_do_is_unimplemented_by_name(field: str, value: object, words: str) -> None:
     with pytest.raises(Unimplemented, match="^" + re.escape(words)):
-        samples(request(**{field: value}))
-
-
-def test_min_tokens_is_taken_where_nothing_could_stop_the_request_early() -> None:
-    (sample,) = samples(request(min_tokens=8, max_tokens=8, ignore_eos=True))
-    assert sample.sampling.max_tokens == 8
+        request_of(request(**{field: value}))
 
 
 @pytest.mark.parametrize(
@@ -117,14 +127,17 @@ def test_requests_pagedserve_cannot_serve_are_refused(
         else:
             getattr(bad, name).CopyFrom(value)
     with pytest.raises(kind, match=words):
-        samples(bad)
+        request_of(bad)
 
 
 def test_a_request_without_input_or_with_every_logprob_is_invalid() -> None:
     with pytest.raises(InvalidArgument, match="no input"):
-        samples(vllm_engine_pb2.GenerateRequest(request_id="x"))
-    with pytest.raises(InvalidArgument, match="at most 20"):
-        samples(request(logprobs=-1))
+        request_of(vllm_engine_pb2.GenerateRequest(request_id="x"))
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidArgument, match=f"{field} is -1 .all.; at most 20"):
+            request_of(request(**{field: -1}))
+    with pytest.raises(InvalidArgument, match="token id -3, which is negative"):
+        request_of(request(logit_bias={-3: 1.0}))
 
 
 def test_common_proto_is_the_package_one() -> None:

@@ -8,6 +8,7 @@ import torch
 
 from kernels.backend import AttentionMetadata
 from services.worker.core.scheduler import ScheduledSeq
+from services.worker.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N]: the last token of each chunk that samples
+    logits_indices: torch.Tensor  # [N + P]: the last token of each chunk that samples, then the scored ones
     sampling: list[ScheduledSeq]  # those N chunks, in the same order
+    scored: list[tuple[Sequence, int]]  # P prompt positions to score: their sequence, and the next token
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +50,7 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     width = max(len(item.seq.pages) for item in ordered)
     tables = [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in ordered]
     sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
+    scored, scored_at = _prompt_positions(ordered, query_start)
 
     def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
@@ -69,6 +72,27 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
         input_ids=tensor(input_ids),
         positions=tensor(positions),
         meta=meta,
-        logits_indices=tensor([query_start[i + 1] - 1 for i, _ in sampling]),
+        logits_indices=tensor([query_start[i + 1] - 1 for i, _ in sampling] + scored_at),
         sampling=[item for _, item in sampling],
+        scored=scored,
     )
+
+
+def _prompt_positions(
+    ordered: list[ScheduledSeq], query_start: list[int]
+) -> tuple[list[tuple[Sequence, int]], list[int]]:
+    """The prompt positions whose logits score the next prompt token, for sequences that asked for the
+    prompt's log-probabilities, and their indices in the batch. Position p scores token p + 1; positions
+    scored before a preemption are not scored again."""
+    scored: list[tuple[Sequence, int]] = []
+    indices: list[int] = []
+    for i, item in enumerate(ordered):
+        seq = item.seq
+        if not seq.wants_prompt_logprobs:
+            continue
+        for position in range(
+            max(item.start, len(seq.prompt_logprobs)), min(item.start + item.count, seq.prompt_len - 1)
+        ):
+            scored.append((seq, seq.tokens[position + 1]))
+            indices.append(query_start[i] + position - item.start)
+    return scored, indices

@@ -13,11 +13,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from memory_daemon.prefix import salted_root
-from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError
+from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError, Unimplemented
 from pagedserve.plumbing.settings import check_settings, positive, setting
 from services.common.limits import check_prompt_fits
 from services.common.sampling import SamplingOptions
 from services.worker.core.cuda_graphs import DecodeGraphs
+from services.worker.core.grammar import Grammars
 from services.worker.core.model_runner import ModelRunner
 from services.worker.core.outputs import RequestOutput
 from services.worker.core.scheduler import Scheduler
@@ -33,6 +34,8 @@ class EngineConfig:
     )
     max_num_seqs: int = setting(64, "sequences running at once", check=positive)
     prefix_caching: bool = setting(True, "look prompts up in the prefix cache, and publish full pages")
+    # Off by default: on a CPU the model's threads already take every core (scripts/bench_structured.py).
+    overlap_grammar: bool = setting(False, "fill structured outputs' token masks while the model runs")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -40,10 +43,16 @@ class EngineConfig:
 
 class EngineCore:
     def __init__(
-        self, model: CausalLM, kv: KVCache, config: EngineConfig, graphs: DecodeGraphs | None = None
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        config: EngineConfig,
+        graphs: DecodeGraphs | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
         self.config = config
+        self.grammars = grammars  # compiles structured outputs; None: the engine refuses them
         spec = model.spec
         self.scheduler = Scheduler(
             kv,
@@ -53,7 +62,7 @@ class EngineCore:
             eos_token_ids=spec.eos_token_ids,
             max_model_len=spec.max_model_len,
         )
-        self.runner = ModelRunner(model, kv, graphs)
+        self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
         self._arrivals = itertools.count()
         # Counters for metrics, written only by the thread that steps; see also the scheduler's.
         self.steps = 0  # steps that ran the model
@@ -71,19 +80,21 @@ class EngineCore:
         options: SamplingOptions,
         priority: int = 0,
         cache_salt: str = "",
+        follows: Hashable | None = None,
     ) -> Sequence:
-        """A checked request, ready for `add`; safe to call from any thread.
+        """A checked request, ready for `add`; safe to call from any thread. follows: the key of an earlier
+        sample of the same prompt, whose prefill this one waits for, to find its pages in the prefix cache.
 
-        Raises InvalidArgument for a prompt this model cannot run, ResourceExhausted for one over the
-        context or one that the KV pool can never hold.
+        Raises InvalidArgument for a prompt this model cannot run or a constraint that does not compile,
+        ResourceExhausted for a prompt over the context or one that the KV pool can never hold.
         """
         spec = self.model.spec
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
         check_prompt_fits(len(prompt_ids), spec.max_model_len)
-        if not (min(prompt_ids) >= 0 and max(prompt_ids) < spec.vocab_size):
-            bad = next(t for t in prompt_ids if not 0 <= t < spec.vocab_size)
-            raise InvalidArgument(f"token id {bad} is outside the vocabulary (0..{spec.vocab_size - 1})")
+        _check_vocabulary("the prompt", prompt_ids, spec.vocab_size)
+        _check_vocabulary("sampling.logit_bias", [t for t, _ in options.logit_bias], spec.vocab_size)
+        _check_vocabulary("sampling.stop_token_ids", options.stop_token_ids, spec.vocab_size)
         pages = -(-(len(prompt_ids) + 1) // self.kv.page_size)
         if pages >= self.kv.num_pages:
             raise ResourceExhausted(
@@ -92,6 +103,11 @@ class EngineCore:
             )
         seq = Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
         seq.cache_root = salted_root(cache_salt)
+        seq.follows = follows
+        if options.structured is not None:
+            if self.grammars is None:
+                raise Unimplemented("this engine was started without structured outputs (no tokenizer)")
+            seq.grammar = self.grammars.state(options.structured)
         return seq
 
     def add(self, seq: Sequence) -> None:
@@ -117,7 +133,7 @@ class EngineCore:
         outputs = [RequestOutput.of(seq) for seq in plan.finished]
         if plan.items:
             ran = self.runner.run(plan.items)
-            outputs += self.scheduler.postprocess(plan, ran.sampled, ran.samples)
+            outputs += self.scheduler.postprocess(plan, ran.sampled, ran.samples, ran.scored)
             self.steps += 1
             self.generation_tokens += len(ran.sampled)
             self.last_batch = (ran.num_tokens, len(ran.sampled))
@@ -145,3 +161,9 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)
         return RequestOutput.of(seq, error=error)
+
+
+def _check_vocabulary(what: str, token_ids: Seq[int], vocab_size: int) -> None:
+    if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise InvalidArgument(f"{what} has token id {bad}, outside the vocabulary (0..{vocab_size - 1})")

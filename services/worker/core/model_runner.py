@@ -7,15 +7,21 @@ postprocess does the bookkeeping with what it returns.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import torch
 
 from services.worker.core.batch import build_batch
 from services.worker.core.cuda_graphs import DecodeGraphs
-from services.worker.core.sampler import Samples, sample
+from services.worker.core.grammar import fill_masks
+from services.worker.core.sampler import Samples, sample, score
 from services.worker.core.scheduler import ScheduledSeq
-from services.worker.core.sequence import Sequence
+from services.worker.core.sequence import Sequence, TokenLogprob
 from services.worker.kv.base import KVCache
 from services.worker.models import CausalLM
+
+SCORE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -23,23 +29,50 @@ class ModelOutput:
     sampled: list[Sequence]  # the sequences that got a token this step, in the order of samples
     samples: Samples
     num_tokens: int  # tokens the forward pass ran
+    scored: list[tuple[Sequence, TokenLogprob]]  # prompt tokens' log-probabilities, in prompt order
+
+
+def _score_prompts(
+    logits: torch.Tensor, positions: list[tuple[Sequence, int]]
+) -> list[tuple[Sequence, TokenLogprob]]:
+    """The scored prompt positions' log-probabilities, some rows at a time: a row is vocabulary-wide."""
+    results: list[tuple[Sequence, TokenLogprob]] = []
+    for start in range(0, len(positions), SCORE_ROWS):
+        part = positions[start : start + SCORE_ROWS]
+        tops = [seq.options.prompt_logprobs or 0 for seq, _ in part]
+        scores = score(logits[start : start + SCORE_ROWS], [token for _, token in part], tops)
+        results += [(seq, logprob) for (seq, _), logprob in zip(part, scores, strict=True)]
+    return results
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, graphs: DecodeGraphs | None = None, overlap_masks: bool = False
+    ) -> None:
         self.model = model
         self.kv = kv
         self.graphs = graphs
+        self._eos = frozenset(model.spec.eos_token_ids)
+        # Grammar masks filled on a thread of their own while the model runs (xgrammar frees the GIL).
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar") if overlap_masks else None
 
     def run(self, items: list[ScheduledSeq]) -> ModelOutput:
         batch = build_batch(items, self.kv.page_size, self.model.device)
-        logits = self.graphs.run(batch) if self.graphs is not None else None
+        sampled = [item.seq for item in batch.sampling]
+        states = [seq.grammar for seq in sampled]
+        filling = None
+        if self._masker is not None and any(state is not None for state in states):
+            filling = self._masker.submit(fill_masks, states, self.model.spec.vocab_size)
+        logits = self.graphs.run(batch) if self.graphs is not None and not batch.scored else None
         if logits is None:  # a prefill, a batch larger than any graph, or no graphs
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.meta, self.kv.kv, batch.logits_indices
             )
-        sampled = [item.seq for item in batch.sampling]
-        return ModelOutput(sampled, sample(logits, sampled), batch.num_tokens)
+        masks = filling.result() if filling is not None else None
+        samples = sample(logits[: len(sampled)], sampled, self._eos, masks)
+        return ModelOutput(
+            sampled, samples, batch.num_tokens, _score_prompts(logits[len(sampled) :], batch.scored)
+        )
 
     def rebind(self, kv: KVCache) -> None:
         """Run on another pool (the daemon came back): the graphs baked in the old pool's address."""

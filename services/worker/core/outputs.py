@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.plumbing.errors import StatusError
-from services.worker.core.sequence import FinishReason, Sequence
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the n most likely tokens and their log-probabilities
+from services.worker.core.sequence import FinishReason, Sequence, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -27,6 +20,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     error: StatusError | None = None  # why the engine refused or failed the request
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token, when asked
 
     @classmethod
     def of(
@@ -36,7 +30,9 @@ class RequestOutput:
         logprobs: list[TokenLogprob] | None = None,
         error: StatusError | None = None,
     ) -> RequestOutput:
-        """The sequence's output now: its new tokens, and its finish reason once it has one."""
+        """The sequence's output now: its new tokens, and its finish reason once it has one; the prompt's
+        log-probabilities go with its first token."""
+        first = token_ids is not None and seq.num_tokens - len(token_ids) == seq.prompt_len
         return cls(
             seq.key,
             token_ids or [],
@@ -45,4 +41,5 @@ class RequestOutput:
             seq.prompt_len,
             seq.cached_prompt_tokens,
             error,
+            seq.prompt_logprobs if first else [],
         )

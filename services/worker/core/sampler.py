@@ -1,7 +1,8 @@
 """Batched sampling in torch, with vLLM's meanings.
 
-Per row, in order: penalties (repetition over prompt and output, presence and frequency over the
-output), temperature, min_p, then top_k and top_p. Greedy rows take the argmax of the penalized logits.
+Per row, in order: what the request allows (its logit bias; EOS and stop tokens held back until
+min_tokens; its grammar's mask), penalties (repetition over prompt and output, presence and frequency over
+the output), temperature, min_p, then top_k and top_p. Greedy rows take the argmax of the penalized logits.
 Random rows draw by the exponential race, argmax(p / E) with E ~ Exp(1), which samples from p exactly. A
 seeded row's noise is a function of its seed and the token's position alone (`seeded_noise`: a Philox
 counter-based generator keyed by all 64 bits of the seed), so its tokens depend neither on what else is
@@ -17,22 +18,33 @@ import numpy as np
 import torch
 
 from services.common.sampling import SamplingOptions
-from services.worker.core.outputs import TokenLogprob
-from services.worker.core.sequence import Sequence
+from services.worker.core.grammar import mask_logits
+from services.worker.core.sequence import Sequence, TokenLogprob
 
 
 @dataclass(frozen=True)
 class Samples:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]  # None for rows that did not ask
+    dead_ends: frozenset[int] = frozenset()  # rows whose grammar allowed no token: their token is meaningless
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
-    """Pick one token per row of logits [S, V] (fp32) for the matching sequence."""
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_token_ids: frozenset[int] = frozenset(),
+    masks: torch.Tensor | None = None,
+) -> Samples:
+    """Pick one token per row of logits [S, V] (fp32) for the matching sequence; masks: the rows' grammar
+    masks, if already filled (`grammar.fill_masks`)."""
     options = [seq.options for seq in seqs]
     raw = logits
+    dead_ends: list[int] = []
+    if any(o.logit_bias or o.min_tokens for o in options) or any(seq.grammar for seq in seqs):
+        logits = logits.clone()
+        dead_ends = restrict(logits, seqs, eos_token_ids, masks)
     if any(o.penalized for o in options):
-        logits = apply_penalties(logits.clone(), seqs)
+        logits = apply_penalties(logits if logits is not raw else logits.clone(), seqs)
     greedy = logits.argmax(dim=-1)
     if all(o.greedy for o in options):
         chosen = greedy
@@ -42,11 +54,32 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
         for row, seq in enumerate(seqs):
             if seq.options.seed is not None and not seq.options.greedy:
                 noise[row] = seeded_noise(seq.options.seed, seq.num_tokens, noise.shape[1])
-        drawn = (probs / noise).argmax(dim=-1)
+        # A float32 draw of exactly 0 (about 1 in 10^7 for each token) would make p / E infinite, or NaN
+        # for a token of probability 0: it counts as the smallest draw that a 24-bit uniform gives.
+        drawn = (probs / noise.clamp_min_(2.0**-24)).argmax(dim=-1)
         is_greedy = torch.tensor([o.greedy for o in options], device=logits.device)
         chosen = torch.where(is_greedy, greedy, drawn)
     token_ids = chosen.tolist()
-    return Samples(token_ids, _logprobs(raw, token_ids, options))
+    return Samples(token_ids, _logprobs(raw, token_ids, options), frozenset(dead_ends))
+
+
+def restrict(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_token_ids: frozenset[int],
+    masks: torch.Tensor | None = None,
+) -> list[int]:
+    """Apply, in place, each row's logit bias, min_tokens' hold-back and grammar; returns the rows that allow
+    no token."""
+    for row, seq in enumerate(seqs):
+        o = seq.options
+        if o.logit_bias:
+            ids, values = zip(*o.logit_bias, strict=True)
+            logits[row, list(ids)] += torch.tensor(values, device=logits.device)
+        if seq.num_tokens - seq.prompt_len < o.min_tokens:
+            held = set(o.stop_token_ids) | (set() if o.ignore_eos else eos_token_ids)
+            logits[row, sorted(held)] = -torch.inf
+    return mask_logits(logits, [seq.grammar for seq in seqs], masks)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -105,14 +138,24 @@ def _logprobs(
 ) -> list[TokenLogprob | None]:
     wanted = [row for row, o in enumerate(options) if o.logprobs]
     results: list[TokenLogprob | None] = [None] * len(options)
-    if not wanted:
-        return results
-    logprobs = torch.log_softmax(logits[wanted], dim=-1)
-    n = max(options[row].logprobs for row in wanted)
-    top_values, top_ids = logprobs.topk(n, dim=-1)
-    chosen = logprobs.gather(1, torch.tensor([[token_ids[row]] for row in wanted], device=logits.device))
-    for i, row in enumerate(wanted):
-        k = options[row].logprobs
-        top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
-        results[row] = TokenLogprob(token_ids[row], chosen[i, 0].item(), top)
+    if wanted:
+        scored = score(
+            logits[wanted], [token_ids[row] for row in wanted], [options[row].logprobs for row in wanted]
+        )
+        for row, logprob in zip(wanted, scored, strict=True):
+            results[row] = logprob
     return results
+
+
+def score(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Each row's log-probability of its token, and its top-n with n from tops, from logits [R, V]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    n = max(tops)
+    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], logprobs[:, :0].long())
+    return [
+        TokenLogprob(
+            token, logprob, tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
+        )
+        for i, (token, logprob, k) in enumerate(zip(token_ids, chosen, tops, strict=True))
+    ]

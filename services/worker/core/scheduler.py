@@ -21,9 +21,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from memory_daemon.prefix import ROOT_KEY
+from pagedserve.plumbing.errors import FailedPrecondition
 from services.worker.core.outputs import RequestOutput
 from services.worker.core.sampler import Samples
-from services.worker.core.sequence import FinishReason, Sequence, Status
+from services.worker.core.sequence import FinishReason, Sequence, Status, TokenLogprob
 from services.worker.kv.base import KVCache
 
 
@@ -92,18 +93,35 @@ class Scheduler:
         seq.finish_reason = reason
         del self.requests[seq.key]
 
-    def postprocess(self, plan: Plan, sampled: Seq[Sequence], samples: Samples) -> list[RequestOutput]:
-        """The bookkeeping after the model ran plan and sampled one token for each of sampled, in order."""
+    def postprocess(
+        self,
+        plan: Plan,
+        sampled: Seq[Sequence],
+        samples: Samples,
+        scored: Seq[tuple[Sequence, TokenLogprob]] = (),
+    ) -> list[RequestOutput]:
+        """The bookkeeping after the model ran plan and sampled one token for each of sampled, in order;
+        scored: the prompt log-probabilities it computed."""
         for item in plan.items:
             item.seq.num_computed += item.count
             self.publish_full_pages(item.seq)
+        for seq, logprob in scored:
+            seq.prompt_logprobs.append(logprob)
         outputs = []
-        for seq, token, logprob in zip(sampled, samples.token_ids, samples.logprobs, strict=True):
+        for row, (seq, token, token_logprob) in enumerate(
+            zip(sampled, samples.token_ids, samples.logprobs, strict=True)
+        ):
+            if row in samples.dead_ends or (seq.grammar is not None and not seq.grammar.accept(token)):
+                self.finish(seq, FinishReason.ABORT)
+                outputs.append(RequestOutput.of(seq, error=_dead_end(seq)))
+                continue
             seq.tokens.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
-            outputs.append(RequestOutput.of(seq, [token], [logprob] if logprob is not None else []))
+            outputs.append(
+                RequestOutput.of(seq, [token], [token_logprob] if token_logprob is not None else [])
+            )
         return outputs
 
     def schedule(self) -> Plan:
@@ -124,9 +142,19 @@ class Scheduler:
                 dropped.append(seq)
             else:
                 self._preempt(seq)
+        self._admit(scheduled, budget)
+        return Plan(scheduled, dropped)
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        """Admit waiting sequences, best rank first, while the step has room; a sample whose leader is still
+        computing the prompt lets the ones behind it go first."""
+        deferred = []
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
-            if self.prefix_caching and seq.num_computed == 0:
+            if self._awaits_leader(seq):
+                deferred.append(heapq.heappop(self._waiting))
+                continue
+            if self.prefix_caching and seq.num_computed == 0 and not seq.wants_prompt_logprobs:
                 self._match_prefix(seq)
             count = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, count, protected=scheduled, may_preempt=False):
@@ -140,7 +168,14 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, count))
             budget -= count
-        return Plan(scheduled, dropped)
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
+
+    def _awaits_leader(self, seq: Sequence) -> bool:
+        """Whether seq is a later sample of a prompt that its first sample is still computing: it will find
+        the prompt's full pages in the prefix cache once that is done."""
+        leader = self.requests.get(seq.follows) if seq.follows is not None else None
+        return self.prefix_caching and leader is not None and leader.num_computed < leader.prompt_len
 
     def publish_full_pages(self, seq: Sequence) -> None:
         """Offer every newly computed full page to the prefix cache."""
@@ -159,6 +194,8 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         options = seq.options
         if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.terminated:  # ended by an EOS, even with ignore_eos
             return FinishReason.STOP
         if seq.num_tokens - seq.prompt_len >= options.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
@@ -212,3 +249,11 @@ class Scheduler:
         if seq.pages:
             self.kv.free(seq.pages)
         seq.reset()
+
+
+def _dead_end(seq: Sequence) -> FailedPrecondition:
+    out = seq.num_tokens - seq.prompt_len
+    why = "its structured output allows no token of this model"
+    if out < seq.options.min_tokens:
+        why = f"min_tokens ({seq.options.min_tokens}) holds back the only end its structured output allows"
+    return FailedPrecondition(f"the request stopped after {out} tokens: {why}")

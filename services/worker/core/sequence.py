@@ -5,15 +5,26 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from memory_daemon.prefix import ROOT_KEY, page_keys
 from services.common.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from services.worker.core.grammar import GrammarState
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the n most likely tokens and their log-probabilities
 
 
 class FinishReason(enum.Enum):
@@ -38,6 +49,9 @@ class Sequence:
     preemptions: int = 0
     finish_reason: FinishReason | None = None
     cache_root: bytes = ROOT_KEY  # the parent of its page-key chain: its cache salt's namespace
+    grammar: GrammarState | None = None  # its structured output's matcher
+    follows: Hashable | None = None  # an earlier sample of the same prompt, whose prefill it waits for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1, 2, ... so far
     _keys: list[bytes] = field(default_factory=list)  # the hash chain of leading full pages
 
     @property
@@ -47,6 +61,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether it still has prompt positions to score (and so computes its prompt whole)."""
+        return self.options.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -132,7 +132,8 @@ class KVCache(ABC):
         return len(items)
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """The cached pages for the longest matching run of keys, each held by one reference."""
+        """The cached pages for the longest matching run of keys, each held by one reference; a worker finds
+        the pages it has published itself."""
         if not keys:
             return []
         pages = self._lookup(keys)

@@ -206,6 +206,9 @@ class DaemonKVCache(KVCache):
         self._cond.notify_all()
 
     def _lookup(self, keys: Sequence[bytes]) -> list[int]:
+        # This worker's queued publishes first, so that it finds its own pages: a later sample of a prompt
+        # is admitted the step after the first sample published the prompt's pages.
+        self.flush()
         request = memory_pb2.LookupRequest(lease_id=self.lease_id, keys=keys)
         return list(self._call("LookupPrefix", self._stub.LookupPrefix, request).pages)
 

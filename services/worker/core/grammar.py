@@ -1,0 +1,134 @@
+"""Structured outputs in the engine: a compiled grammar per constraint, a matcher per sequence, and the masks.
+
+xgrammar compiles a constraint against the model's tokenizer; compiled grammars are kept (least recently used
+out), so the same schema twice compiles once. Each constrained sequence has a matcher that follows its
+tokens. Before sampling, the matchers of the batch's constrained rows fill one bitmask of the tokens they
+allow, which sets every other logit to -inf. The model's end-of-sequence tokens are the grammar's stop
+tokens: the mask lets them through only where the grammar may end, and a matcher that accepts one is
+terminated, which finishes the sequence (`ignore_eos` cannot keep a finished grammar going).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from pagedserve.plumbing.errors import InvalidArgument
+from services.common.structured import Constraint
+
+CACHE_SIZE = 256  # compiled grammars kept
+
+
+class GrammarState:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill(self, masks: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(masks, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past token_id; False if the grammar does not allow it (the mask was not applied)."""
+        return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar has ended and accepted a stop token: nothing may follow."""
+        return bool(self._matcher.is_terminated())
+
+
+class Grammars:
+    """Compiles constraints for one model's tokenizer; safe to call from any thread."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiled: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compilations = 0  # how many constraints were compiled, cache misses alone
+
+    def state(self, constraint: Constraint) -> GrammarState:
+        """A new sequence's matcher; InvalidArgument with the compiler's message if it cannot compile."""
+        return GrammarState(self.compiled(constraint))
+
+    def compiled(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        with self._lock:
+            if constraint in self._compiled:
+                self._compiled.move_to_end(constraint)
+                return self._compiled[constraint]
+            try:
+                compiled = self._compile(constraint)
+            except RuntimeError as exc:  # xgrammar's message ends with what it could not parse
+                raise InvalidArgument(
+                    f"sampling.structured.{constraint.kind} does not compile: {_reason(exc)}"
+                ) from None
+            self.compilations += 1
+            self._compiled[constraint] = compiled
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return compiled
+
+    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        # JSON without free whitespace, in which small models loop.
+        if constraint.kind == "json_schema":
+            return self._compiler.compile_json_schema(constraint.text, any_whitespace=False)
+        if constraint.kind == "json_object":
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if constraint.kind == "regex":
+            return self._compiler.compile_regex(constraint.text)
+        if constraint.kind == "grammar":
+            return self._compiler.compile_grammar(constraint.text)
+        # A choice: a grammar of string literals, which JSON's escapes spell as the EBNF reads them; other
+        # characters stay as they are (EBNF would read a surrogate pair as two characters).
+        return self._compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in constraint.choices)
+        )
+
+
+def fill_masks(states: Sequence[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
+    """The bitmask [S, V / 32] of the tokens each state allows (rows without a state allow all); None when
+    no row has a state. It reads the states alone, so it may run while the model runs."""
+    if all(state is None for state in states):
+        return None
+    masks = xgr.allocate_token_bitmask(len(states), vocab_size)
+    for row, state in enumerate(states):
+        if state is not None:
+            state.fill(masks, row)
+    return masks
+
+
+def mask_logits(
+    logits: torch.Tensor, states: Sequence[GrammarState | None], masks: torch.Tensor | None = None
+) -> list[int]:
+    """Mask, in place, each row of logits [S, V] whose state is not None to the tokens its grammar allows,
+    with masks from `fill_masks` if given. Returns the rows that allow no token at all: their sequences can go
+    no further."""
+    rows = [row for row, state in enumerate(states) if state is not None]
+    if not rows:
+        return []
+    if masks is None:
+        masks = fill_masks(states, logits.shape[1])
+    xgr.apply_token_bitmask_inplace(logits, masks.to(logits.device), indices=rows)  # type: ignore[union-attr]
+    allowed = torch.isfinite(logits[rows]).any(dim=-1).tolist()
+    return [row for row, ok in zip(rows, allowed, strict=True) if not ok]
+
+
+def _reason(exc: RuntimeError) -> str:
+    """xgrammar's message without its C++ source location ("[time] file.cc:123: ")."""
+    text = str(exc).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and ".cc:" in head:
+        text = rest
+    return text.removeprefix("Check failed: (error.empty()) is false: ")[:1000]
