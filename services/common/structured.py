@@ -54,3 +54,5 @@ def _check_choices(field: str, choices: tuple[str, ...]) -> None:
     for i, choice in enumerate(choices):
         if not 0 < len(choice.encode()) <= MAX_CHOICE_BYTES:
             raise InvalidArgument(f"{field}[{i}] must be 1 to {MAX_CHOICE_BYTES} bytes")
+    if (total := sum(len(choice.encode()) for choice in choices)) > MAX_TEXT_BYTES:
+        raise InvalidArgument(f"{field} holds {total} bytes in all; at most {MAX_TEXT_BYTES}")

@@ -48,6 +48,7 @@ class TextStream:
         """Decode new tokens; return the text that is safe to emit now."""
         if self.stopped:
             return ""
+        before = len(self._text)
         for token_id in token_ids:
             self._pending.append(token_id)
             piece = self._decoder.step(self._tokenizer, token_id)
@@ -56,17 +57,18 @@ class TextStream:
                 self._pending, self._from_prompt = [], 0
                 self._add(piece)
         self._unchecked -= len(token_ids)
-        if self._cut_at_stop():
+        if self._cut_at_stop(before):
             return self._release(len(self._text))
         return self._release(len(self._text) - self._hold)
 
     def finish(self) -> str:
         """The request is over: flush the bytes of an unfinished character, and release what was held back."""
         if len(self._pending) > self._from_prompt and not self.stopped:
+            before = len(self._text)
             context = self._decode(self._context)
             self._add(self._decode(self._context + self._pending)[len(context) :])
             self._pending, self._from_prompt = [], 0
-            self._cut_at_stop()
+            self._cut_at_stop(before)
         return self._release(len(self._text))
 
     def _add(self, piece: str) -> None:
@@ -74,12 +76,17 @@ class TextStream:
         self._shown -= skipped
         self._text += piece[skipped:]
 
-    def _cut_at_stop(self) -> bool:
-        """Cut the text before the stop string completed first, if any; whether one was found."""
+    def _cut_at_stop(self, before: int) -> bool:
+        """Cut the text before the stop string completed first, if any; whether one was found. Only a stop
+        string that ends in the text added since `before` counts: one that ended earlier was found then, or
+        came before min_tokens."""
         if self._unchecked > 0:
             return False
-        # A stop string starting before the emitted text would have been found by an earlier push.
-        found = [(i + len(s), i, s) for s in self._stop if (i := self._text.find(s, self._emitted)) >= 0]
+        found = [
+            (i + len(s), i, s)
+            for s in self._stop
+            if (i := self._text.find(s, max(self._emitted, before - len(s) + 1))) >= 0
+        ]
         if found:
             _, start, self.stopped = min(found)
             self._text = self._text[:start]

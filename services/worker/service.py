@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,7 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.wire import HEARTBEAT_S, error_fields, sampling_from_pb
+from services.common.wire import HEARTBEAT_S, constraint_from_pb, error_fields, sampling_from_pb
 from services.worker.config import WorkerConfig
 from services.worker.core.loop import EngineLoop
 from services.worker.core.outputs import RequestOutput
@@ -54,6 +56,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
         self._serving = True
         self._streams: dict[int, asyncio.Queue[worker_pb2.StepOutputs | None]] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._stream_ids = itertools.count(1)
         engine.on_outputs = self._on_outputs
 
@@ -128,21 +131,55 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         queue: asyncio.Queue[worker_pb2.StepOutputs | None],
         live: set[str],
     ) -> None:
+        compiling: dict[str, asyncio.Task[None]] = {}  # structured requests whose grammar is compiling
         try:
             async for request in requests:
-                refused = [
-                    worker_pb2.RequestOutput(
-                        request_id=submit.request_id, finish_reason=_Reason.ABORT, **error
-                    )
-                    for submit in request.submit
-                    if (error := self._submit(stream, submit, live))
-                ]
-                if refused:  # every message carries the load, which the frontend takes as it is
-                    queue.put_nowait(worker_pb2.StepOutputs(outputs=refused, load=self._load()))
+                for submit in request.submit:
+                    if submit.sampling.HasField("structured"):
+                        task = asyncio.create_task(self._compile_then_submit(stream, submit, queue, live))
+                        compiling[submit.request_id] = task
+                        task.add_done_callback(functools.partial(_forget, compiling, submit.request_id))
+                    elif error := self._submit(stream, submit, live):
+                        self._refuse(queue, submit.request_id, error)
+                for rid in request.abort:
+                    if rid in compiling:
+                        compiling[rid].cancel()
                 if request.abort:
                     self._engine.abort((stream, rid) for rid in request.abort if rid in live)
+            await asyncio.gather(*compiling.values(), return_exceptions=True)
         finally:
+            for task in compiling.values():
+                task.cancel()
             queue.put_nowait(None)
+
+    async def _compile_then_submit(
+        self,
+        stream: int,
+        submit: worker_pb2.Submit,
+        queue: asyncio.Queue[worker_pb2.StepOutputs | None],
+        live: set[str],
+    ) -> None:
+        """Compile a request's grammar on the compiler's thread, then submit it: a schema that takes seconds
+        to compile holds up neither this loop (heartbeats, other streams) nor the requests without one."""
+        grammars = self._engine.core.grammars
+        try:
+            if grammars is not None:
+                constraint = constraint_from_pb(submit.sampling.structured)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._compiler, grammars.compiled, constraint
+                )
+        except StatusError as refusal:
+            self._refuse(queue, submit.request_id, error_fields(refusal))
+            return
+        if error := self._submit(stream, submit, live):  # the grammar now comes from the cache
+            self._refuse(queue, submit.request_id, error)
+
+    def _refuse(
+        self, queue: asyncio.Queue[worker_pb2.StepOutputs | None], request_id: str, error: dict
+    ) -> None:
+        refused = worker_pb2.RequestOutput(request_id=request_id, finish_reason=_Reason.ABORT, **error)
+        # Every message carries the load, which the frontend takes as it is.
+        queue.put_nowait(worker_pb2.StepOutputs(outputs=[refused], load=self._load()))
 
     def _submit(self, stream: int, submit: worker_pb2.Submit, live: set[str]) -> dict[str, Any]:
         """Queue one request; return the error fields of its refusal, or nothing when it was accepted.
@@ -193,6 +230,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_pages_total=kv.num_pages - 1,
             unavailable=self.unavailable(),
         )
+
+
+def _forget(tasks: dict[str, asyncio.Task[None]], request_id: str, _: asyncio.Task[None]) -> None:
+    tasks.pop(request_id, None)
 
 
 def output_pb(request_id: str, output: RequestOutput) -> worker_pb2.RequestOutput:

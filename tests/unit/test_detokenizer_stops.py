@@ -117,3 +117,17 @@ def test_overlapping_stops_do_not_depend_on_chunking(
     for size in (2, 3, 4):
         deltas, stream = feed(backend, ids, stop=stop, chunk=size)
         assert ("".join(deltas), stream.stopped) == ("abc", "d"), f"chunks of {size}"
+
+
+def test_under_min_tokens_a_stop_string_counts_only_if_it_ends_after_them(
+    tokenizer: PreTrainedTokenizerBase, backend: Tokenizer
+) -> None:
+    """vLLM's rule: stop strings are looked for from min_tokens on, in the text that comes from then on. A
+    short stop completed before min_tokens does not stop the request later, while the long stop held back
+    its text."""
+    ids = encode(tokenizer, " the cat is here. the cat sat on")
+    stream = TextStream(backend, [], ["cat", "the cat sat on"], min_tokens=3)
+    text = "".join(stream.push([token]) for token in ids)
+    assert stream.stopped == "cat" and text == " the cat is here. the "  # the second "cat", not the first
+    plain = TextStream(backend, [], ["cat", "the cat sat on"])
+    assert "".join(plain.push([token]) for token in ids) == " the " and plain.stopped == "cat"

@@ -1,10 +1,10 @@
 """Structured outputs in the engine: a compiled grammar per constraint, a matcher per sequence, and the masks.
 
 xgrammar compiles a constraint against the model's tokenizer; compiled grammars are kept (least recently used
-out), so the same schema twice compiles once. Each constrained sequence has a matcher that follows its
-tokens. Before sampling, the matchers of the batch's constrained rows fill one bitmask of the tokens they
-allow, which sets every other logit to -inf. The model's end-of-sequence tokens are the grammar's stop
-tokens: the mask lets them through only where the grammar may end, and a matcher that accepts one is
+out, within CACHE_BYTES), so the same schema twice compiles once. Each constrained sequence has a matcher that
+follows its tokens. Before sampling, the matchers of the batch's constrained rows fill one bitmask of the
+tokens they allow, which sets every other logit to -inf. The model's end-of-sequence tokens are the grammar's
+stop tokens: the mask lets them through only where the grammar may end, and a matcher that accepts one is
 terminated, which finishes the sequence (`ignore_eos` cannot keep a finished grammar going).
 """
 
@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.plumbing.errors import InvalidArgument
 from services.common.structured import Constraint
 
-CACHE_SIZE = 256  # compiled grammars kept
+CACHE_BYTES = 512 * 2**20  # compiled grammars kept, by their size (a large choice takes tens of MB)
 
 
 class GrammarState:
@@ -57,6 +57,7 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._bytes = 0  # the kept grammars' size
         self.compilations = 0  # how many constraints were compiled, cache misses alone
 
     def state(self, constraint: Constraint) -> GrammarState:
@@ -76,8 +77,9 @@ class Grammars:
                 ) from None
             self.compilations += 1
             self._compiled[constraint] = compiled
-            if len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
+            self._bytes += compiled.memory_size_bytes
+            while self._bytes > CACHE_BYTES and len(self._compiled) > 1:
+                self._bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
             return compiled
 
     def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:

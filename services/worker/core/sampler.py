@@ -71,14 +71,17 @@ def restrict(
 ) -> list[int]:
     """Apply, in place, each row's logit bias, min_tokens' hold-back and grammar; returns the rows that allow
     no token."""
+    biased = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in seq.options.logit_bias]
+    if biased:  # one scatter for the whole batch
+        rows, tokens, values = zip(*biased, strict=True)
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
     for row, seq in enumerate(seqs):
         o = seq.options
-        if o.logit_bias:
-            ids, values = zip(*o.logit_bias, strict=True)
-            logits[row, list(ids)] += torch.tensor(values, device=logits.device)
         if seq.num_tokens - seq.prompt_len < o.min_tokens:
-            held = set(o.stop_token_ids) | (set() if o.ignore_eos else eos_token_ids)
-            logits[row, sorted(held)] = -torch.inf
+            # EOS ends a constrained row whatever ignore_eos says, so min_tokens holds it back there too.
+            ends = eos_token_ids if not o.ignore_eos or seq.grammar is not None else frozenset()
+            logits[row, sorted(set(o.stop_token_ids) | ends)] = -torch.inf
     return mask_logits(logits, [seq.grammar for seq in seqs], masks)
 
 

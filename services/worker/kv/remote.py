@@ -208,7 +208,10 @@ class DaemonKVCache(KVCache):
     def _lookup(self, keys: Sequence[bytes]) -> list[int]:
         # This worker's queued publishes first, so that it finds its own pages: a later sample of a prompt
         # is admitted the step after the first sample published the prompt's pages.
-        self.flush()
+        try:
+            self.flush()
+        except TimeoutError as exc:  # a daemon that takes this long is as good as gone: re-attach
+            raise DaemonError("LookupPrefix", grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
         request = memory_pb2.LookupRequest(lease_id=self.lease_id, keys=keys)
         return list(self._call("LookupPrefix", self._stub.LookupPrefix, request).pages)
 
