@@ -29,6 +29,7 @@ from services.frontend.admission import Admission
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 # Shown at zero from the start, so a rate over them exists before the first such request.
+DEADLINE_SLACK_S = 0.5
 _COMMON_CODES = "OK INVALID_ARGUMENT RESOURCE_EXHAUSTED UNAVAILABLE CANCELLED DEADLINE_EXCEEDED INTERNAL"
 
 TIME_TO_FIRST_TOKEN = Histogram(
@@ -75,7 +76,8 @@ class RequestTracker:
         self._start = time.perf_counter()
         self._queued = self._start
         self._last: float | None = None  # when the last message with tokens went out
-        self._usage: generation_pb2.Usage | None = None
+        self._prompt_tokens = 0
+        self._completion_tokens = 0  # of every sample
 
     def __enter__(self) -> RequestTracker:
         return self
@@ -87,9 +89,8 @@ class RequestTracker:
         REQUESTS.labels(code.name).inc()
         if code is grpc.StatusCode.OK:
             E2E_REQUEST_LATENCY.observe(time.perf_counter() - self._start)
-            if self._usage is not None:
-                PROMPT_TOKENS.inc(self._usage.prompt_tokens)
-                GENERATION_TOKENS.inc(self._usage.completion_tokens)
+            PROMPT_TOKENS.inc(self._prompt_tokens)
+            GENERATION_TOKENS.inc(self._completion_tokens)
 
     def queued(self) -> None:
         self._queued = time.perf_counter()
@@ -98,8 +99,9 @@ class RequestTracker:
         REQUEST_QUEUE.observe(time.perf_counter() - self._queued)
 
     def responded(self, response: generation_pb2.GenerateResponse) -> None:
+        """Note a response: the call's latencies are its first sample's, its tokens every sample's."""
         tokens = len(response.token_ids)
-        if tokens:
+        if tokens and response.index == 0:
             now = time.perf_counter()
             if self._last is None:
                 TIME_TO_FIRST_TOKEN.observe(now - self._start)
@@ -109,14 +111,17 @@ class RequestTracker:
                     INTER_TOKEN_LATENCY.observe(gap)
             self._last = now
         if response.HasField("usage"):
-            self._usage = response.usage
+            self._prompt_tokens = response.usage.prompt_tokens
+            self._completion_tokens += response.usage.completion_tokens
 
     def _code(self, exc: BaseException | None) -> grpc.StatusCode:
         if exc is None:
             return grpc.StatusCode.OK
         if isinstance(exc, asyncio.CancelledError | GeneratorExit):
             remaining = self._context.time_remaining()
-            # Within 10 ms of its deadline, a cancelled call is taken to have run out of time.
-            expired = remaining is not None and remaining < 0.01
+            # Near its deadline, a cancelled call is taken to have run out of time: the client's clock runs
+            # out first and resets the stream, while ours started when its headers arrived, which on a busy
+            # machine can be a good part of a second later.
+            expired = remaining is not None and remaining < DEADLINE_SLACK_S
             return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
         return status_of(exc)[0]

@@ -42,8 +42,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             generations = self._shared.start(request, tracker)
             try:
                 async for response in merged(generations):
-                    if response.index == 0:  # the call's latencies are its first sample's
-                        tracker.responded(response)
+                    tracker.responded(response)
                     await deliver(context, response, self._drain_timeout_s)
             finally:
                 for generation in generations:

@@ -57,8 +57,7 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
             answers = [SampleAnswer(generation, request.stream) for generation in generations]
             try:
                 async for response in merged(generations):
-                    if response.index == 0:  # the call's latencies are its first sample's
-                        tracker.responded(response)
+                    tracker.responded(response)
                     for message in answers[response.index].messages(response):
                         await deliver(context, message, self._drain_timeout_s)
             finally:

@@ -4,6 +4,7 @@ bad values of each refused by name while the server keeps serving and every page
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections import defaultdict
@@ -19,9 +20,10 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.clients import every_page_accounted
+from tests.clients import Scrape, every_page_accounted
 from tests.integration.streams import joined, stream, user, wait_for_idle_worker, worker_load
 from tests.procs import Stack, module_stack
+from tests.waiting import wait_until
 
 Reason = pb.GenerateResponse.FinishReason
 Stub = generation_pb2_grpc.GenerationStub
@@ -72,12 +74,17 @@ def pages_all_back(stack: Stack) -> None:
     assert every_page_accounted(stack.daemon_address)
 
 
-def test_greedy_samples_are_all_the_one_greedy_output(stub: Stub) -> None:
+def test_greedy_samples_are_all_the_one_greedy_output(stack: Stack, stub: Stub) -> None:
     alone = stub.Complete(generate_request(prompt=STORY, max_tokens=12, ignore_eos=True, **GREEDY))
+    url = json.loads((stack.run_dir / "endpoints.json").read_text())["frontend"]["metrics"]
+    before = Scrape(url)("pagedserve_generation_tokens_total")
     samples = samples_of(stub, 3, prompt=STORY, max_tokens=12, ignore_eos=True, **GREEDY)
     for responses in samples.values():
         assert joined(responses) == (alone.text, list(alone.token_ids))
         assert responses[-1].finish_reason == Reason.LENGTH
+    # The frontend counts every sample's tokens (once the call has ended, which the last message precedes).
+    counted = lambda: Scrape(url)("pagedserve_generation_tokens_total") - before  # noqa: E731
+    wait_until(lambda: counted() == 36, 10, lambda: f"36 tokens counted, not {counted()}")
 
 
 def test_seeded_sample_i_is_the_run_of_seed_plus_i(stack: Stack, stub: Stub) -> None:
