@@ -172,10 +172,13 @@ class Scheduler:
             heapq.heappush(self._waiting, entry)
 
     def _awaits_leader(self, seq: Sequence) -> bool:
-        """Whether seq is a later sample of a prompt that its first sample is still computing: it will find
-        the prompt's full pages in the prefix cache once that is done."""
+        """Whether seq is a later sample of a prompt that its first sample is still computing, or whose pages
+        are still on their way to the prefix cache: it will find them there once that is done. (No wait
+        blocks the step: the sample is only passed over.)"""
         leader = self.requests.get(seq.follows) if seq.follows is not None else None
-        return self.prefix_caching and leader is not None and leader.num_computed < leader.prompt_len
+        if not self.prefix_caching or leader is None:
+            return False
+        return leader.num_computed < leader.prompt_len or not self.kv.delivered(leader.published_mark)
 
     def publish_full_pages(self, seq: Sequence) -> None:
         """Offer every newly computed full page to the prefix cache."""
@@ -190,6 +193,7 @@ class Scheduler:
                 keys[seq.num_shared :], seq.pages[seq.num_shared : full], parent=parent, tokens=tokens
             )
             seq.num_shared = full
+            seq.published_mark = self.kv.published
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         options = seq.options

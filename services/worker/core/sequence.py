@@ -51,6 +51,7 @@ class Sequence:
     cache_root: bytes = ROOT_KEY  # the parent of its page-key chain: its cache salt's namespace
     grammar: GrammarState | None = None  # its structured output's matcher
     follows: Hashable | None = None  # an earlier sample of the same prompt, whose prefill it waits for
+    published_mark: int = 0  # the KV cache's publish count after its latest pages (KVCache.delivered)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1, 2, ... so far
     _keys: list[bytes] = field(default_factory=list)  # the hash chain of leading full pages
 

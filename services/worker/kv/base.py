@@ -46,6 +46,7 @@ class KVCache(ABC):
         self._refs: Counter[int] = Counter()
         self._drawn = 0  # net pages taken off the idle list since the last lease call
         self._refill_pages = refill_pages
+        self.published = 0  # pages this cache has published so far: a mark for `delivered`
 
     @property
     def page_size(self) -> int:
@@ -128,12 +129,18 @@ class KVCache(ABC):
                 self._in_use.remove(page)
                 self._refs[page] += 1
             if items:
+                self.published += len(items)
                 self._submit(len(self._idle), publish=items)
         return len(items)
 
+    def delivered(self, mark: int) -> bool:
+        """Whether the first `mark` pages this cache published have reached the pool's owner, so that a
+        lookup finds them."""
+        return True  # for a cache whose updates apply when they are made
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """The cached pages for the longest matching run of keys, each held by one reference; a worker finds
-        the pages it has published itself."""
+        """The cached pages for the longest matching run of keys, each held by one reference; pages this
+        cache published are found once `delivered`."""
         if not keys:
             return []
         pages = self._lookup(keys)

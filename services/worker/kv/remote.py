@@ -115,7 +115,7 @@ class DaemonKVCache(KVCache):
         self._pending = _Batch()
         self._want_refill = False
         self._sending = False
-        self._publishing = False  # an Update with publishes is in flight
+        self._delivered = 0  # published pages the daemon has taken in
         self._closing = False
         self._error: DaemonError | None = None
         self._on_lost = on_lost
@@ -206,16 +206,11 @@ class DaemonKVCache(KVCache):
         self._pending.release.extend(release)
         self._cond.notify_all()
 
-    def _lookup(self, keys: Sequence[bytes]) -> list[int]:
-        # This worker's queued publishes first, so that it finds its own pages: a later sample of a prompt
-        # is admitted the step after the first sample published the prompt's pages. (Not a whole flush,
-        # which would also wait for a refill of idle pages.)
+    def delivered(self, mark: int) -> bool:
         with self._cond:
-            sent = self._cond.wait_for(
-                lambda: self._error or not (self._pending.publish or self._publishing), RPC_TIMEOUT_S
-            )
-        if not sent:  # a daemon that takes this long is as good as gone: re-attach
-            raise DaemonError("LookupPrefix", grpc.StatusCode.DEADLINE_EXCEEDED, "queued publishes unsent")
+            return self._error is not None or self._delivered >= mark
+
+    def _lookup(self, keys: Sequence[bytes]) -> list[int]:
         request = memory_pb2.LookupRequest(lease_id=self.lease_id, keys=keys)
         return list(self._call("LookupPrefix", self._stub.LookupPrefix, request).pages)
 
@@ -236,13 +231,11 @@ class DaemonKVCache(KVCache):
                 refill, self._want_refill = self._want_refill, False
                 idle = len(self._idle)
                 self._sending = True
-                self._publishing = bool(batch.publish)
             try:
                 if batch and not self._error:
                     self._call("Update", self._stub.Update, batch.to_pb(self.lease_id, idle))
-                with self._cond:
-                    self._publishing = False
-                    self._cond.notify_all()
+                    with self._cond:
+                        self._delivered += len(batch.publish)
                 if refill and not self._error:
                     self._prefetch()
             except DaemonError as exc:
@@ -251,7 +244,7 @@ class DaemonKVCache(KVCache):
                 self._error = exc
             finally:
                 with self._cond:
-                    self._sending = self._publishing = False
+                    self._sending = False
                     self._cond.notify_all()
 
     def _listen(self) -> None:
