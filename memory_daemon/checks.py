@@ -1,4 +1,5 @@
-"""The checks a PageLedger runs on a request before it changes anything, so that bad input changes nothing."""
+"""The checks a PageLedger runs on a request before it changes anything, so that bad input changes nothing,
+and the audit of its books (`check_invariants`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
-from memory_daemon.prefix import MAX_KEY_BYTES
-from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from memory_daemon.prefix import MAX_KEY_BYTES, PrefixIndex
+from memory_daemon.publishers import Publishers
+from pagedserve.plumbing.errors import FailedPrecondition, Internal, InvalidArgument, PermissionDenied
 
 
 class RequestChecks:
@@ -16,10 +18,46 @@ class RequestChecks:
     num_pages: int
     _state: bytearray
     _holder: list[Lease | None]
+    _free: list[int]
+    _refs: list[int]
+    leases: dict[str, Lease]
+    index: PrefixIndex
+    publishers: Publishers
 
     @property
     def usable_pages(self) -> int:
         return self.num_pages - 1
+
+    def check_invariants(self) -> None:
+        """Raise Internal, naming what broke, unless every page is accounted for exactly once."""
+        _require(self._state[NULL_PAGE] == PageState.NULL and NULL_PAGE not in self._free, "the null page")
+        _require(len(set(self._free)) == len(self._free), "a page is on the free list twice")
+        _require(
+            all(self._state[p] == PageState.FREE for p in self._free), "a page on the free list is not free"
+        )
+        _require(self._state.count(PageState.FREE) == len(self._free), "a free page is not on the free list")
+        leased = [p for lease in self.leases.values() for p in lease.pages]
+        _require(
+            len(leased) == len(set(leased)) == self._state.count(PageState.LEASED),
+            "leased pages and the leases' books differ",
+        )
+        for lease in self.leases.values():
+            _require(all(self._holder[p] is lease for p in lease.pages), f"lease {lease.name}'s pages")
+        held: Counter[int] = Counter()
+        for lease in self.leases.values():
+            held.update(lease.refs)
+        for page in range(1, self.num_pages):
+            if self._state[page] == PageState.SHARED:
+                _require(
+                    self._refs[page] == held[page], f"page {page}: {self._refs[page]} refs, {held[page]} held"
+                )
+                _require(self._refs[page] > 0 or page in self.index, f"page {page}: shared, unheld, uncached")
+            else:
+                _require(
+                    self._refs[page] == 0 and page not in self.index and held[page] == 0,
+                    f"page {page}: not shared, yet referenced or cached",
+                )
+            _require((page in self.index) == (page in self.publishers), f"page {page}: index and publishers")
 
     def _check_page_id(self, page: int) -> None:
         if not NULL_PAGE < page < self.num_pages:
@@ -72,3 +110,8 @@ class RequestChecks:
         for key in keys:
             if not 0 < len(key) <= MAX_KEY_BYTES:
                 raise InvalidArgument(f"a page key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _require(holds: bool, what: str) -> None:
+    if not holds:
+        raise Internal(f"the page books do not balance: {what}")

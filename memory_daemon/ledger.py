@@ -241,27 +241,6 @@ class PageLedger(RequestChecks):
             publishers=self.publishers.usage(),
         )
 
-    def check_invariants(self) -> None:
-        """Assert that every page is accounted for exactly once (for tests)."""
-        assert self._state[NULL_PAGE] == PageState.NULL and NULL_PAGE not in self._free
-        assert len(set(self._free)) == len(self._free)
-        assert all(self._state[p] == PageState.FREE for p in self._free)
-        assert self._state.count(PageState.FREE) == len(self._free)
-        leased = [p for lease in self.leases.values() for p in lease.pages]
-        assert len(leased) == len(set(leased)) == self._state.count(PageState.LEASED)
-        for lease in self.leases.values():
-            assert all(self._holder[p] is lease for p in lease.pages)
-        held: Counter[int] = Counter()
-        for lease in self.leases.values():
-            held.update(lease.refs)
-        for page in range(1, self.num_pages):
-            if self._state[page] == PageState.SHARED:
-                assert self._refs[page] == held[page], (page, self._refs[page], held[page])
-                assert self._refs[page] > 0 or page in self.index
-            else:
-                assert self._refs[page] == 0 and page not in self.index and held[page] == 0
-            assert (page in self.index) == (page in self.publishers), page
-
     # Internals -------------------------------------------------------------------------------------
 
     def _free_page(self, page: int) -> None:

@@ -118,6 +118,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def GetStats(
         self, request: memory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.DaemonStats:
+        if request.check_invariants:
+            for pool in self._pools.values():
+                pool.ledger.check_invariants()
         return memory_pb2.DaemonStats(pools=[pool_stats_to_pb(pool) for pool in self._pools.values()])
 
     async def DropPublished(

@@ -81,8 +81,10 @@ class Launcher:
         self.launch(child)
         return child
 
-    def launch(self, child: Child, timeout_s: float = 600) -> None:
-        """Start the child's process and wait until it reports SERVING."""
+    def launch(self, child: Child, timeout_s: float = 600, restarting: bool = False) -> None:
+        """Start the child's process and wait until it reports SERVING. While the stack starts, a child
+        started before it that dies stops the start; while restarting, another child that dies (a sibling
+        worker) waits its turn, to be restarted next."""
         command = [sys.executable, "-m", "services.cli", *child.args]
         # A session of its own: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
         child.proc = subprocess.Popen(
@@ -98,7 +100,7 @@ class Launcher:
         ).start()
         deadline = time.monotonic() + timeout_s
         while True:
-            dead = self.first_dead()  # this child, or one started before it
+            dead = child if child.dead() else None if restarting else self.first_dead()
             if dead is not None:
                 raise ChildDied(dead)
             if self.stopping.is_set():
@@ -122,7 +124,7 @@ class Launcher:
         if len(child.deaths) > RESTART_LIMIT:
             raise ChildDied(child, f"; it died {len(child.deaths)} times within a minute")
         self.say(f"{child.name} {child.exit_reason()}; starting it again")
-        self.launch(child)
+        self.launch(child, restarting=True)
         self.say(f"{child.name} is back")
 
     def say(self, message: str) -> None:

@@ -43,6 +43,18 @@ class FrontendConfig:
         flag="--drain-timeout",
         check=positive,
     )
+    worker_timeout_s: float = setting(
+        5.0,
+        "seconds a worker may send nothing (frozen, stuck) before its requests move to another worker",
+        flag="--worker-timeout",
+        check=positive,
+    )
+    max_failovers: int = setting(
+        2,
+        "times a request may move to another worker when its own fails; then it is given up, in case it is "
+        "what kills them",
+        check=not_negative,
+    )
     shutdown_grace_s: float = 10.0
     metrics: MetricsSettings = nested(MetricsSettings)
     secret: str | None = secret_setting()  # presented to workers

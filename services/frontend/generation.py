@@ -6,7 +6,8 @@ worker output into a GenerateResponse (text deltas from `detokenizer`, stop stri
 is released the moment generation ends, whatever the client has read, so a client that never reads
 cannot hold the server's capacity; the queue holds at most max_tokens small messages. If the caller stops
 listening (the client cancels, its deadline passes, it stalls) `cancel` aborts the request in its worker,
-which frees its pages within one step.
+which frees its pages within one step. Should the worker fail instead, the request goes on on another one
+from where it was (`failover`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from pagedserve.v1 import generation_pb2
 from services.common.wire import error_of
 from services.frontend.admission import Admission
 from services.frontend.detokenizer import TextStream
+from services.frontend.failover import Progress, next_worker
 from services.frontend.metrics import RequestTracker
-from services.frontend.router import Router, WorkerLink
+from services.frontend.router import Output, Router, WorkerDown, WorkerLink
 from services.frontend.validation import (
     CheckedRequest,
     ModelLimits,
@@ -42,8 +44,17 @@ T = TypeVar("T")
 class Shared:
     """What every generation shares: the router, admission, the request builder and its threads."""
 
-    def __init__(self, router: Router, admission: Admission, builder: RequestBuilder, tokenizing: Executor):
+    def __init__(
+        self,
+        router: Router,
+        admission: Admission,
+        builder: RequestBuilder,
+        tokenizing: Executor,
+        max_failovers: int = 0,
+    ):
+        """max_failovers: how many times a request may move to another worker when its own fails."""
         self.router = router
+        self.max_failovers = max_failovers
         self.admission = admission
         self.builder = builder
         self.tokenizer: PreTrainedTokenizerBase = builder.tokenizer
@@ -145,18 +156,38 @@ class Generation:
     async def _generate(
         self, prepared: PreparedRequest, follow: tuple[WorkerLink, str] | None = None
     ) -> None:
+        """Run the request on a worker, and on another one from where it was should that worker fail."""
         link = follow[0] if follow and follow[0].accepting else self._shared.router.pick()
-        worker_id, outputs = link.submit(prepared, follows=follow[1] if follow and link is follow[0] else "")
-        if not self.submitted.done():
-            self.submitted.set_result((prepared, link, worker_id))
-        self.prompt_tokens, self.first_prompt_token = len(prepared.prompt_ids), prepared.prompt_ids[0]
+        follows = follow[1] if follow and link is follow[0] else ""
         text = TextStream(
             self._shared.tokenizer.backend_tokenizer,
             prepared.prompt_ids,
             prepared.stop,
             prepared.options.min_tokens,
         )
-        completion_tokens = 0
+        self.prompt_tokens, self.first_prompt_token = len(prepared.prompt_ids), prepared.prompt_ids[0]
+        progress = Progress()
+        while True:
+            try:
+                worker_id, outputs = link.submit(progress.resumed(prepared), follows, progress.token_ids)
+                if not self.submitted.done():
+                    self.submitted.set_result((prepared, link, worker_id))
+                await self._relay(prepared, text, progress, link, worker_id, outputs)
+                return
+            except WorkerDown as lost:
+                link = next_worker(self._shared.router, lost, progress, self._shared.max_failovers)
+                follows = ""
+
+    async def _relay(
+        self,
+        prepared: PreparedRequest,
+        text: TextStream,
+        progress: Progress,
+        link: WorkerLink,
+        worker_id: str,
+        outputs: asyncio.Queue[Output],
+    ) -> None:
+        """Turn one worker's outputs for the request into responses, until it ends or the worker is lost."""
         finished = False
         try:
             while not finished:
@@ -165,7 +196,7 @@ class Generation:
                     raise output
                 if output.error:
                     raise error_of(output)
-                completion_tokens += len(output.token_ids)
+                progress.add(output)
                 delta = text.push(output.token_ids)
                 reason = output.finish_reason
                 if text.stopped and not reason:
@@ -186,12 +217,12 @@ class Generation:
                     finished = True
                     _set_matched_stop(response, text.stopped, prepared.options.stop_token_ids)
                     response.usage.prompt_tokens = len(prepared.prompt_ids)
-                    response.usage.completion_tokens = completion_tokens
-                    response.usage.cached_prompt_tokens = output.cached_prompt_tokens
+                    response.usage.completion_tokens = len(progress.token_ids)
+                    response.usage.cached_prompt_tokens = progress.cached_prompt_tokens or 0
                 self._queue.put_nowait(response)
         finally:
             if not finished:
-                link.abort(worker_id)  # cancelled, past its deadline, or failed
+                link.abort(worker_id)  # cancelled, past its deadline, failed, or its worker lost
 
     def _with_text(self, logprobs: generation_pb2.TokenLogprobs) -> generation_pb2.TokenLogprobs:
         for top in logprobs.top:

@@ -2,11 +2,12 @@
 
 A WorkerLink keeps its stream open and reconnects with backoff when it breaks. A worker sends its load at
 least every HEARTBEAT_S; one silent for SILENT_AFTER_S (frozen, or its event loop stuck) gets no new
-requests until it speaks again. Everything queued for
-sending while a call is in flight goes out as one WorkerRequest. Each request's outputs arrive on its own
-asyncio queue; when the worker goes away, every request it had gets WorkerDown at once, which the service
-answers with UNAVAILABLE. A worker that is connected but refuses new requests (its KV pool is out of reach)
-says so in its load, and gets none until it says otherwise.
+requests until it speaks again. Everything queued for sending while a call is in flight goes out as one
+WorkerRequest. Each request's outputs arrive on its own asyncio queue; when the worker goes away, or stays
+silent past the link's timeout, every request it had gets WorkerDown at once, and the generation moves it to
+another worker (`failover`); a silent worker is also told to abort them, should it wake. A worker that is
+connected but refuses new requests (its KV pool is out of reach) says so in its load, and gets none until it
+says otherwise.
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ Output = worker_pb2.RequestOutput | WorkerDown
 
 class WorkerLink:
     def __init__(
-        self, address: str, model_id: str, on_change: Callable[[], None], secret: str | None
+        self,
+        address: str,
+        model_id: str,
+        on_change: Callable[[], None],
+        secret: str | None,
+        timeout_s: float,
     ) -> None:
+        """timeout_s: how long the worker may be silent before its requests are taken from it."""
         self.address = address
+        self._timeout_s = timeout_s
         self._metadata = secret_metadata(secret)
         self.model_id = model_id
         self.up = False
@@ -76,12 +84,18 @@ class WorkerLink:
         return self.load.unavailable
 
     def check_silence(self) -> None:
-        """Note that the worker went silent, or spoke again; called every half second."""
-        silent = self.up and time.monotonic() - self.last_heard > SILENT_AFTER_S
+        """Note that the worker went silent, or spoke again, and take its requests from it once it has been
+        silent for the timeout; called every half second."""
+        quiet = time.monotonic() - self.last_heard
+        silent = self.up and quiet > min(SILENT_AFTER_S, self._timeout_s)
         if silent != self.silent:
             self.silent = silent
             log.warning("worker %s: %s", self.address, self.refusing or "speaks again")
             self._on_change()
+        if silent and quiet > self._timeout_s and self._requests:
+            log.warning("worker %s: silent for %.1fs; moving its requests", self.address, quiet)
+            self._outbox.put_nowait(worker_pb2.WorkerRequest(abort=list(self._requests)))  # should it wake
+            self._drop_requests(f"has sent nothing for {quiet:.1f}s")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"worker-link {self.address}")
@@ -91,9 +105,12 @@ class WorkerLink:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(self, prepared: PreparedRequest, follows: str = "") -> tuple[str, asyncio.Queue[Output]]:
+    def submit(
+        self, prepared: PreparedRequest, follows: str = "", generated: Sequence[int] = ()
+    ) -> tuple[str, asyncio.Queue[Output]]:
         """Send a request to the worker; returns its id on this stream and the queue of its outputs.
-        follows: the id of an earlier sample of the same prompt on this stream."""
+        follows: the id of an earlier sample of the same prompt on this stream; generated: the tokens it
+        generated already, on a worker that failed."""
         if not self.up:
             raise WorkerDown(f"worker {self.address} is down")
         request_id = str(next(self._ids))
@@ -106,6 +123,7 @@ class WorkerLink:
             priority=prepared.priority,
             cache_salt=prepared.cache_salt,
             follows=follows,
+            generated_token_ids=generated,
         )
         self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit]))
         return request_id, queue
@@ -188,13 +206,14 @@ class WorkerLink:
 
     def _set_down(self, reason: str) -> None:
         was_up, self.up, self.silent = self.up, False, False
-        for queue in self._requests.values():
-            queue.put_nowait(
-                WorkerDown(f"the worker at {self.address} went away mid-request ({reason}); retry")
-            )
-        self._requests.clear()
+        self._drop_requests(f"went away ({reason})")
         if was_up:
             self._on_change()
+
+    def _drop_requests(self, what: str) -> None:
+        for queue in self._requests.values():
+            queue.put_nowait(WorkerDown(f"the worker at {self.address} {what} mid-request"))
+        self._requests.clear()
 
 
 class Router:
@@ -203,11 +222,14 @@ class Router:
         addresses: Sequence[str],
         model_id: str,
         on_change: Callable[[], None],
+        *,
+        timeout_s: float,
         secret: str | None = None,
     ) -> None:
+        """timeout_s: how long a worker may be silent before its requests move to another."""
         if not addresses:
             raise ValueError("the frontend needs at least one worker address")  # FrontendConfig checks it
-        self.links = [WorkerLink(address, model_id, on_change, secret) for address in addresses]
+        self.links = [WorkerLink(address, model_id, on_change, secret, timeout_s) for address in addresses]
         self._watch: asyncio.Task[None] | None = None
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from grpc_health.v1 import health_pb2
@@ -46,11 +47,8 @@ async def serve(config: FrontendConfig) -> None:
     tokenizer = await asyncio.to_thread(PreTrainedTokenizerFast.from_pretrained, model_dir)
     model_id = model_identity(model_dir)
     workers_changed = asyncio.Event()
-    router = Router(config.workers, model_id, workers_changed.set, secret=config.secret)
-    builder = RequestBuilder(tokenizer, default_max_tokens=config.default_max_tokens)
-    admission = Admission(config.max_running, config.max_waiting)
-    tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-    shared = Shared(router, admission, builder, tokenizing)
+    shared = _shared(config, tokenizer, model_id, workers_changed.set)
+    router, admission, tokenizing = shared.router, shared.admission, shared.tokenizing
     service = GenerationService(shared, model_id, config.drain_timeout_s)
     facts = await asyncio.to_thread(ModelFacts, model_dir, model_id, tokenizer)
     vllm_service = _vllm_service(config, shared, facts)
@@ -99,6 +97,19 @@ async def serve(config: FrontendConfig) -> None:
         health_task.cancel()
         await router.stop()
         tokenizing.shutdown(cancel_futures=True)
+
+
+def _shared(
+    config: FrontendConfig, tokenizer: PreTrainedTokenizerFast, model_id: str, on_change: Callable[[], None]
+) -> Shared:
+    """What every generation shares; on_change: called when a worker comes or goes."""
+    router = Router(
+        config.workers, model_id, on_change, secret=config.secret, timeout_s=config.worker_timeout_s
+    )
+    builder = RequestBuilder(tokenizer, default_max_tokens=config.default_max_tokens)
+    admission = Admission(config.max_running, config.max_waiting)
+    tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+    return Shared(router, admission, builder, tokenizing, config.max_failovers)
 
 
 def _vllm_service(config: FrontendConfig, shared: Shared, facts: ModelFacts) -> VllmEngineService:

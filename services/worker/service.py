@@ -197,7 +197,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             key = (stream, submit.request_id)
             follows = (stream, submit.follows) if submit.follows in live else None
             seq = self._engine.core.new_sequence(
-                key, submit.prompt_token_ids, options, submit.priority, submit.cache_salt, follows
+                key,
+                submit.prompt_token_ids,
+                options,
+                submit.priority,
+                submit.cache_salt,
+                follows,
+                submit.generated_token_ids,
             )
             self._engine.submit(seq)
         except StatusError as refusal:

@@ -163,8 +163,10 @@ class LookupResponse(_message.Message):
     def __init__(self, pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_invariants",)
+    CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
+    check_invariants: bool
+    def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
 
 class WorkerUsage(_message.Message):
     __slots__ = ("worker_id", "name", "model_id", "leased_pages", "idle_pages", "referenced_pages", "refill_pages")

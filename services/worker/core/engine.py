@@ -81,9 +81,12 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str = "",
         follows: Hashable | None = None,
+        generated: Seq[int] = (),
     ) -> Sequence:
         """A checked request, ready for `add`; safe to call from any thread. follows: the key of an earlier
         sample of the same prompt, whose prefill this one waits for, to find its pages in the prefix cache.
+        generated: the tokens it already generated elsewhere (it resumes after its worker failed), which
+        count as output.
 
         Raises InvalidArgument for a prompt this model cannot run or a constraint that does not compile,
         ResourceExhausted for a prompt over the context or one that the KV pool can never hold.
@@ -91,23 +94,28 @@ class EngineCore:
         spec = self.model.spec
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
-        check_prompt_fits(len(prompt_ids), spec.max_model_len)
-        _check_vocabulary("the prompt", prompt_ids, spec.vocab_size)
+        tokens = [*prompt_ids, *generated]
+        check_prompt_fits(len(tokens), spec.max_model_len)
+        if len(generated) >= options.max_tokens:
+            raise InvalidArgument(f"{len(generated)} tokens generated already: max_tokens is reached")
+        _check_vocabulary("the prompt", tokens, spec.vocab_size)
         _check_vocabulary("sampling.logit_bias", [t for t, _ in options.logit_bias], spec.vocab_size)
         _check_vocabulary("sampling.stop_token_ids", options.stop_token_ids, spec.vocab_size)
-        pages = -(-(len(prompt_ids) + 1) // self.kv.page_size)
+        pages = -(-(len(tokens) + 1) // self.kv.page_size)
         if pages >= self.kv.num_pages:
             raise ResourceExhausted(
                 f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}: "
                 "shorten it, or give the workers more --kv-memory"
             )
-        seq = Sequence(key, list(prompt_ids), len(prompt_ids), options, priority, next(self._arrivals))
+        seq = Sequence(key, tokens, len(prompt_ids), options, priority, next(self._arrivals))
         seq.cache_root = salted_root(cache_salt)
         seq.follows = follows
         if options.structured is not None:
             if self.grammars is None:
                 raise Unimplemented("this engine was started without structured outputs (no tokenizer)")
             seq.grammar = self.grammars.state(options.structured)
+            if not all(seq.grammar.accept(token) for token in generated):
+                raise InvalidArgument("the generated tokens do not follow sampling.structured")
         return seq
 
     def add(self, seq: Sequence) -> None:
