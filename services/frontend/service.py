@@ -107,3 +107,9 @@ async def deliver(context: grpc.aio.ServicerContext, message: Message, drain_tim
         SLOW_READERS.inc()
         log.warning("cancelled a stream whose client did not read it for %gs", drain_timeout_s)
         raise asyncio.CancelledError from None
+    except Exception:
+        # The client cancelled while the message was on its way: gRPC fails the write with an error of its
+        # own (cygrpc's ExecuteBatchError), which is the client's cancel, not a bug of ours.
+        if context.cancelled():
+            raise asyncio.CancelledError from None
+        raise
