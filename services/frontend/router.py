@@ -167,32 +167,40 @@ class WorkerLink:
                 await asyncio.sleep(5)
                 return
             self._outbox = asyncio.Queue()
-            messages = aiter(stub.Connect(self._outgoing(), metadata=self._metadata))
+            call = stub.Connect(self._outgoing(), metadata=self._metadata)
             try:
-                self.load = (await anext(messages)).load  # the worker's first message: its load alone
-            except StopAsyncIteration:
-                return
+                await self._receive(call, self.info.worker_name)
+            finally:
+                call.cancel()  # stops gRPC's task that reads _outgoing, before the channel closes
+
+    async def _receive(self, messages: AsyncIterator[worker_pb2.StepOutputs], name: str) -> None:
+        """Take the worker's messages until its stream ends: its load, and its requests' outputs."""
+        messages = aiter(messages)
+        try:
+            self.load = (await anext(messages)).load  # the worker's first message: its load alone
+        except StopAsyncIteration:
+            return
+        self.last_heard = time.monotonic()
+        self.up = True
+        log.info("worker %s (%s) is up", self.address, name)
+        if self.load.unavailable:
+            log.warning("worker %s refuses requests for now: %s", self.address, self.load.unavailable)
+        self._on_change()
+        async for message in messages:
             self.last_heard = time.monotonic()
-            self.up = True
-            log.info("worker %s (%s) is up", self.address, self.info.worker_name)
-            if self.load.unavailable:
-                log.warning("worker %s refuses requests for now: %s", self.address, self.load.unavailable)
-            self._on_change()
-            async for message in messages:
-                self.last_heard = time.monotonic()
-                self.check_silence()
-                accepted, self.load = self.accepting, message.load
-                if self.accepting != accepted:
-                    change = self.load.unavailable or "accepts requests again"
-                    log.warning("worker %s: %s", self.address, change)
-                    self._on_change()
-                for output in message.outputs:
-                    queue = self._requests.get(output.request_id)
-                    if queue is None:
-                        continue  # aborted by the frontend: its last outputs are not wanted
-                    if output.finish_reason:
-                        del self._requests[output.request_id]
-                    queue.put_nowait(output)
+            self.check_silence()
+            accepted, self.load = self.accepting, message.load
+            if self.accepting != accepted:
+                change = self.load.unavailable or "accepts requests again"
+                log.warning("worker %s: %s", self.address, change)
+                self._on_change()
+            for output in message.outputs:
+                queue = self._requests.get(output.request_id)
+                if queue is None:
+                    continue  # aborted by the frontend: its last outputs are not wanted
+                if output.finish_reason:
+                    del self._requests[output.request_id]
+                queue.put_nowait(output)
 
     async def _outgoing(self) -> AsyncIterator[worker_pb2.WorkerRequest]:
         while True:
