@@ -107,9 +107,9 @@ async def deliver(context: grpc.aio.ServicerContext, message: Message, drain_tim
         SLOW_READERS.inc()
         log.warning("cancelled a stream whose client did not read it for %gs", drain_timeout_s)
         raise asyncio.CancelledError from None
-    except Exception:
-        # The client cancelled while the message was on its way: gRPC fails the write with an error of its
-        # own (cygrpc's ExecuteBatchError), which is the client's cancel, not a bug of ours.
-        if context.cancelled():
-            raise asyncio.CancelledError from None
-        raise
+    except Exception as exc:
+        # A write fails only once the call is over: the client cancelled or reset the stream while the message
+        # was on its way. gRPC says so with an error of its own (cygrpc's ExecuteBatchError), before the call
+        # reads as cancelled; it is the client's cancel, not a bug of ours.
+        log.debug("a write failed, the call is over: %r", exc)
+        raise asyncio.CancelledError from None
