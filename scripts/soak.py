@@ -58,7 +58,6 @@ from services.common.default_model import default_model_dir
 from services.launcher import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
-MIB = 1 << 20
 
 
 def kill_loop(run_dir: Path, every_s: float, kills: list[dict], stop: threading.Event, t0: float) -> None:

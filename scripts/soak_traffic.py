@@ -15,7 +15,6 @@ import grpc
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.client import generate_request
 
-MIB = 1 << 20
 OK, CANCELLED, DEADLINE = "OK", "CANCELLED", "DEADLINE_EXCEEDED"
 INVALID, EXHAUSTED = ("INVALID_ARGUMENT",), ("RESOURCE_EXHAUSTED",)
 PROMPTS = ["Tell me a joke.", "What is the capital of France?", "Write a haiku about rain.", "Hi!",
@@ -128,7 +127,7 @@ def client_loop(address: str, seed: int, done: Done, stop: threading.Event, t0: 
     """Send requests of random kinds, one at a time, until stop; each kind's name and outcome go to done."""
     rng, names = random.Random(seed), list(KINDS)
     weights = [KINDS[name].weight for name in names]
-    options = [("grpc.max_send_message_length", 32 * MIB)]  # the 20 MB message must reach the server
+    options = [("grpc.max_send_message_length", 32 << 20)]  # the 20 MB message must reach the server
     with grpc.insecure_channel(address, options=options) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         while not stop.is_set():

@@ -100,7 +100,9 @@ class Launcher:
         ).start()
         deadline = time.monotonic() + timeout_s
         while True:
-            dead = child if child.dead() else None if restarting else self.first_dead()
+            dead = child if child.dead() else None
+            if dead is None and not restarting:
+                dead = self.first_dead()  # one started before it
             if dead is not None:
                 raise ChildDied(dead)
             if self.stopping.is_set():
