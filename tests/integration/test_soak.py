@@ -7,6 +7,7 @@ of a failure.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -27,4 +28,5 @@ def test_two_minutes_of_mixed_traffic_and_worker_kills() -> None:
     command += ["--concurrency", "4"]  # the tests' machines may have two cores
     done = subprocess.run(command, capture_output=True, text=True, timeout=360, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "worker kills: 2 " in done.stdout
+    kills = re.search(r"worker kills: (\d+)", done.stdout)
+    assert kills and int(kills[1]) >= 2, done.stdout  # at 40 and 80 s, and at 120 s should it come first
