@@ -13,12 +13,15 @@ attention, other dtypes and CUDA tensors take the reference.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -61,16 +64,28 @@ def cpu_ops() -> ModuleType | None:
     folder.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
     try:
-        return cpp_extension.load(
-            name,
-            [str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-        )
+        with _build_lock(folder):
+            return cpp_extension.load(
+                name,
+                [str(source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+            )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or no ninja
         log.warning("the C++ CPU kernels could not be built (%s); running the torch reference", exc)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Holds an flock beside the build folder. cpp_extension's own lock is a file that a process killed
+    mid-build leaves behind, and every later load waits on it forever; the kernel drops an flock with its
+    holder, and whoever holds it knows that a `lock` file still in the folder is such a leftover."""
+    with open(folder.parent / f"{folder.name}.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _put_ninja_on_path() -> None:
