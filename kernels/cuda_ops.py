@@ -1,21 +1,22 @@
-"""Typed wrappers of the CUDA kernels in csrc/: each checks shapes, dtypes and strides, then launches on
-torch's current stream, so the kernels order with torch's own work and can be captured in CUDA graphs.
+"""Typed wrappers of the CUDA kernels in csrc/: each checks shapes, dtypes and strides, picks the launch
+and the compile-time shape, then launches (kernels/launch.py) on torch's current stream.
 
 Tensors travel as raw device pointers: CuPy has no bfloat16, and the kernels read 16-bit types as bits.
+With CPU tensors, the same kernels run in the emulator (kernels/emulator.py), for tests with no GPU.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import get_args
 
 import numpy as np
 import torch
 
 from kernels.backend import PageSize
-from kernels.nvrtc import DTYPE_MACROS, load_kernel
-from kernels.tuning import Tuning
+from kernels.launch import launch, resident_blocks
+from kernels.nvrtc import DTYPE_MACROS
+from kernels.tuning import Tuning, decode_split
 
 PAGE_SIZES = get_args(PageSize)
 HEAD_DIMS = (64, 128)
@@ -27,12 +28,25 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _dtype(*tensors: torch.Tensor) -> str:
+def _dtype(*tensors: torch.Tensor) -> dict[str, int]:
+    """The macro that compiles a kernel for these tensors' one dtype."""
     names = {str(t.dtype).removeprefix("torch.") for t in tensors}
     _require(len(names) == 1, f"tensors must share one dtype, got {sorted(names)}")
     (name,) = names
     _require(name in DTYPE_MACROS, f"dtype {name} is not one of {', '.join(DTYPE_MACROS)}")
-    return name
+    return {DTYPE_MACROS[name]: 1}
+
+
+def _pack(tensors: list[torch.Tensor], *lengths: int) -> int:
+    """VEC, the elements a thread moves in one access: 16 bytes' worth where every tensor starts on 16 bytes,
+    its strides (but the last) keep every row there, and each length (of a row, or of the part of one a
+    kernel takes as a unit) is a whole number of them; else 1."""
+    size = tensors[0].element_size()
+    vec = 16 // size
+    aligned = all(
+        t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:-1]) for t in tensors
+    )
+    return vec if aligned and all(length % vec == 0 for length in lengths) else 1
 
 
 def _index(t: torch.Tensor, name: str, dims: int) -> None:
@@ -44,27 +58,6 @@ def _index(t: torch.Tensor, name: str, dims: int) -> None:
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
-
-
-@functools.cache
-def _external_stream(device: int, pointer: int) -> Any:  # a cupy.cuda.ExternalStream
-    import cupy
-
-    return cupy.cuda.ExternalStream(pointer, device)
-
-
-def _launch(
-    kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device: torch.device
-) -> None:
-    import cupy
-
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), _external_stream(device.index, stream.cuda_stream):
-        kernel(grid, block, args)
-
-
-def _kernel(name: str, function: str, dtype: str, **macros: int) -> Any:  # a cupy.RawKernel
-    return load_kernel(name, function, ((DTYPE_MACROS[dtype], 1), *sorted(macros.items())))
 
 
 def _kv_layer(kv_layer: torch.Tensor) -> tuple[int, int, int, int]:
@@ -100,17 +93,16 @@ def kv_write(
     strides = (np.int64(k.stride(0)), np.int64(v.stride(0)))
     args = (_ptr(k), _ptr(v), _ptr(kv_layer), _ptr(slot_mapping), *strides, np.int32(row),
             np.int64(pages * page_size * row))  # fmt: skip
-    _launch(
-        _kernel("kv_write", "kv_write", dtype), (tokens,), (min(row, tuning.row_threads),), args, k.device
-    )
+    vec = _pack([k, v, kv_layer], row)
+    block = (min(row // vec, tuning.row_threads),)
+    launch("kv_write", "kv_write", {**dtype, "VEC": vec}, (tokens,), block, args, k.device)
 
 
 @dataclass(frozen=True)
 class _Attention:
     """What both attention kernels check and need of q, out and the pool."""
 
-    dtype: str
-    macros: dict[str, int]  # the compile-time shape, less NUM_WARPS
+    macros: dict[str, int]  # the dtype and the compile-time shape, less NUM_WARPS
     kv_heads: int
     v_offset: int  # elements from the K half of kv_layer to its V half
 
@@ -127,8 +119,8 @@ def _attention(
     _heads(q, "q", q_heads, head_dim)
     _require(out.is_contiguous() and out.shape == q.shape, "out must be contiguous and shaped like q")
     _index(block_tables, "block_tables", 2)
-    macros = {"HEAD_DIM": head_dim, "PAGE_SIZE": page_size, "GROUP": group}
-    return _Attention(_dtype(kv_layer, q, out), macros, kv_heads, pages * page_size * kv_heads * head_dim)
+    macros = {**_dtype(kv_layer, q, out), "HEAD_DIM": head_dim, "PAGE_SIZE": page_size, "GROUP": group}
+    return _Attention(macros, kv_heads, pages * page_size * kv_heads * head_dim)
 
 
 def paged_decode(
@@ -143,7 +135,8 @@ def paged_decode(
 ) -> None:
     """out [S, Hq, D] = attention of q [S, Hq, D] over each sequence's seq_lens [S] cached tokens.
 
-    max_seq_len bounds every seq_lens entry; it sets how many partitions each sequence is split into.
+    max_seq_len bounds every seq_lens entry; with the batch's size and the device's, it sets how many
+    partitions each sequence is split into (kernels.tuning.decode_split).
     """
     shape = _attention(out, q, kv_layer, block_tables)
     _index(seq_lens, "seq_lens", 1)
@@ -154,8 +147,11 @@ def paged_decode(
     )
     if seqs == 0:
         return
-    partitions = max(1, -(-max_seq_len // tuning.partition_size))
     macros = {**shape.macros, "NUM_WARPS": tuning.decode_warps}
+    threads = tuning.decode_warps * 32
+    resident = resident_blocks("paged_decode", "paged_decode", macros, threads, q.device)
+    split = decode_split(seqs, kv_heads, max_seq_len, resident, tuning.min_partition)
+    partitions = split.partitions
     partial_out = partial_max = partial_sum = None
     if partitions > 1:
         partial_out = torch.empty(
@@ -166,14 +162,14 @@ def paged_decode(
     args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(q), _ptr(kv_layer),
             _ptr(block_tables), _ptr(seq_lens), np.int32(kv_heads), np.int32(block_tables.shape[1]),
             np.int64(q.stride(0)), np.int64(shape.v_offset), np.float32(scale),
-            np.int32(tuning.partition_size))  # fmt: skip
-    kernel = _kernel("paged_decode", "paged_decode", shape.dtype, **macros)
-    _launch(kernel, (seqs, kv_heads, partitions), (tuning.decode_warps * 32,), args, q.device)
+            np.int32(split.partition_size))  # fmt: skip
+    grid = (seqs, kv_heads, partitions)
+    launch("paged_decode", "paged_decode", macros, grid, (threads,), args, q.device)
     if partitions > 1:
-        reduce = _kernel("paged_decode", "paged_decode_reduce", shape.dtype, **macros)
         reduce_args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(seq_lens),
-                       np.int32(kv_heads), np.int32(partitions), np.int32(tuning.partition_size))  # fmt: skip
-        _launch(reduce, (seqs, q.shape[1]), (head_dim,), reduce_args, q.device)
+                       np.int32(kv_heads), np.int32(partitions), np.int32(split.partition_size))  # fmt: skip
+        heads = (seqs, q.shape[1])
+        launch("paged_decode", "paged_decode_reduce", macros, heads, (head_dim,), reduce_args, q.device)
 
 
 def paged_prefill(
@@ -200,8 +196,8 @@ def paged_prefill(
             np.int32(tokens), np.int32(kv_heads), np.int32(block_tables.shape[1]), np.int64(q.stride(0)),
             np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
     grid = (-(-tokens * kv_heads // warps),)
-    kernel = _kernel("paged_prefill", "paged_prefill", shape.dtype, **shape.macros, NUM_WARPS=warps)
-    _launch(kernel, grid, (warps * 32,), args, q.device)
+    macros = {**shape.macros, "NUM_WARPS": warps}
+    launch("paged_prefill", "paged_prefill", macros, grid, (warps * 32,), args, q.device)
 
 
 def rms_norm(
@@ -229,8 +225,11 @@ def rms_norm(
         head_stride = x.stride(1) if x.dim() == 3 else 0
         args = (_ptr(out), _ptr(residual), _ptr(x), _ptr(residual), _ptr(weight), np.int32(hidden),
                 np.int32(heads), np.int64(x.stride(0)), np.int64(head_stride), np.float32(eps))  # fmt: skip
-        threads = min(tuning.row_threads, max(32, -(-hidden // 32) * 32))
-        _launch(_kernel("rms_norm", "rms_norm", dtype), (rows,), (threads,), args, x.device)
+        vec = _pack([out, x, weight, *([residual] if residual is not None else [])], hidden)
+        packs = -(-hidden // vec)
+        threads = min(tuning.row_threads, max(32, -(-packs // 32) * 32))
+        macros = {**dtype, "VEC": vec, "ITEMS": -(-packs // threads)}  # the row, in registers
+        launch("rms_norm", "rms_norm", macros, (rows,), (threads,), args, x.device)
     return out, (residual if residual is not None else x)
 
 
@@ -251,12 +250,12 @@ def rotary(
     dtype = _dtype(q, k, cos_sin)
     if q.shape[0] == 0:
         return
-    pairs = (q.shape[1] + k.shape[1]) * head_dim // 2
     args = (_ptr(q), _ptr(k), _ptr(positions), _ptr(cos_sin), np.int32(q.shape[1]), np.int32(k.shape[1]),
-            np.int32(head_dim), np.int64(q.stride(0)), np.int64(k.stride(0)))  # fmt: skip
-    _launch(
-        _kernel("rotary", "rotary", dtype), (q.shape[0],), (min(pairs, tuning.row_threads),), args, q.device
-    )
+            np.int64(q.stride(0)), np.int64(k.stride(0)))  # fmt: skip
+    vec = _pack([q, k, cos_sin], head_dim // 2)
+    packs = (q.shape[1] + k.shape[1]) * head_dim // 2 // vec
+    macros = {**dtype, "VEC": vec, "HEAD_DIM": head_dim}
+    launch("rotary", "rotary", macros, (q.shape[0],), (min(packs, tuning.row_threads),), args, q.device)
 
 
 def silu_and_mul(x: torch.Tensor, tuning: Tuning) -> torch.Tensor:
@@ -269,11 +268,7 @@ def silu_and_mul(x: torch.Tensor, tuning: Tuning) -> torch.Tensor:
     out = torch.empty(x.shape[0], inner, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         args = (_ptr(out), _ptr(x), np.int32(inner), np.int64(x.stride(0)))
-        _launch(
-            _kernel("silu_and_mul", "silu_and_mul", dtype),
-            (x.shape[0],),
-            (min(inner, tuning.row_threads),),
-            args,
-            x.device,
-        )
+        vec = _pack([out, x], inner)
+        block = (min(inner // vec, tuning.row_threads),)
+        launch("silu_and_mul", "silu_and_mul", {**dtype, "VEC": vec}, (x.shape[0],), block, args, x.device)
     return out

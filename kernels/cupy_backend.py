@@ -10,13 +10,18 @@ from kernels import cuda_ops
 from kernels.backend import AttentionMetadata
 from kernels.tuning import tuning_for
 
+EMULATED_ARCH = 90
+
 
 class CupyBackend:
     name = "cupy"
 
     def __init__(self, device: torch.device) -> None:
-        major, minor = torch.cuda.get_device_capability(device)
-        self.tuning = tuning_for(major * 10 + minor)
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            self.tuning = tuning_for(major * 10 + minor)
+        else:  # the kernels in the emulator (kernels/emulator.py), launched as on a Hopper
+            self.tuning = tuning_for(EMULATED_ARCH)
 
     def write_kv(
         self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor

@@ -50,15 +50,26 @@ def compile_cubin(
 
     report asks ptxas for its resource report (registers, spills) in the log. Raises CompileError.
     """
+    options = ["--ptxas-options=-v"] if report else []
+    return _compile(name, arch, macros, options, lambda nvrtc, program: nvrtc.getCUBIN(program))
+
+
+def compile_ptx(name: str, arch: str, macros: Mapping[str, object]) -> str:
+    """The PTX of csrc/<name>.cu for arch: what the kernels' loads and stores compile to, read with no GPU."""
+    ptx, _ = _compile(name, arch, macros, [], lambda nvrtc, program: nvrtc.getPTX(program))
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def _compile(
+    name: str, arch: str, macros: Mapping[str, object], extra: list[str], result: Any
+) -> tuple[Any, str]:
     nvrtc = _nvrtc()
     program = nvrtc.createProgram(source(name), f"{name}.cu", [], [])
-    options = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device"]
+    options = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *extra]
     options += [f"-D{key}={value}" for key, value in sorted(macros.items())]
-    if report:
-        options.append("--ptxas-options=-v")
     try:
         nvrtc.compileProgram(program, options)
-        return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program)
+        return result(nvrtc, program), nvrtc.getProgramLog(program)
     except nvrtc.NVRTCError as exc:
         log = nvrtc.getProgramLog(program)
         raise CompileError(f"{name}.cu for {arch} with {dict(macros)}: {exc}\n{log}") from None

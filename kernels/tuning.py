@@ -1,27 +1,34 @@
-"""Launch parameters per GPU architecture, picked at run time.
+"""Launch parameters per GPU architecture, picked at run time, and the decode grid's split of each context.
 
 The values are starting points for Ampere (sm_80) and Hopper (sm_90), chosen from the kernels' shapes:
-decode blocks of 4 warps that each stream rows of K and V, partitions of 512 tokens so that batch 64 at 4k
-context fills an H100 or H200 with 8 partitions per sequence, and 256-thread blocks for the row-wise
-kernels. scripts/gpu_check.sh times the alternatives on a real device; write what it finds here.
+decode blocks of 4 warps that each stream rows of K and V, and 256-thread blocks for the row-wise kernels.
+scripts/gpu_check.sh times the alternatives on a real device; write what it finds here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Partition lengths are multiples of this, which every page size divides, so a partition is whole pages.
+PARTITION_QUANTUM = 32
+# The decode grid aims at this many waves of the blocks the device holds at once: with one wave, the SMs
+# that finish early sit idle while the last blocks run.
+DECODE_WAVES = 2
+
 
 @dataclass(frozen=True)
 class Tuning:
     decode_warps: int
-    partition_size: int  # tokens of a sequence one decode block reduces; a multiple of every page size
+    min_partition: (
+        int  # the fewest tokens of a sequence one decode block reduces; a PARTITION_QUANTUM multiple
+    )
     prefill_warps: int
     row_threads: int  # threads per block of the row-wise kernels (KV write, norms, rotary, activation)
 
 
 TUNINGS = {
-    80: Tuning(decode_warps=4, partition_size=512, prefill_warps=4, row_threads=256),
-    90: Tuning(decode_warps=4, partition_size=512, prefill_warps=4, row_threads=256),
+    80: Tuning(decode_warps=4, min_partition=64, prefill_warps=4, row_threads=256),
+    90: Tuning(decode_warps=4, min_partition=64, prefill_warps=4, row_threads=256),
 }
 
 
@@ -29,3 +36,24 @@ def tuning_for(compute_capability: int) -> Tuning:
     """The tuning of the newest architecture at or below this one (sm_80's for anything older)."""
     known = [cc for cc in TUNINGS if cc <= compute_capability]
     return TUNINGS[max(known)] if known else TUNINGS[min(TUNINGS)]
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    partitions: int  # per sequence and KV head: the grid is (sequences, KV heads, partitions)
+    partition_size: int  # tokens each partition covers, a multiple of PARTITION_QUANTUM
+
+
+def decode_split(
+    seqs: int, kv_heads: int, max_len: int, resident_blocks: int, min_partition: int
+) -> DecodeSplit:
+    """Cuts each sequence's context (up to max_len tokens) into partitions that separate blocks reduce, so
+    that the grid fills the device: sequences x KV heads x partitions >= DECODE_WAVES x resident_blocks (the
+    decode blocks all SMs hold at once). A batch that fills it alone is not split, and no partition is
+    shorter than min_partition tokens, below which merging the partitions costs more than it gains."""
+    wanted = -(-DECODE_WAVES * resident_blocks // max(1, seqs * kv_heads))
+    most = max(1, max_len // min_partition)
+    partitions = max(1, min(wanted, most))
+    size = -(-max(1, max_len) // partitions)
+    size = -(-size // PARTITION_QUANTUM) * PARTITION_QUANTUM
+    return DecodeSplit(-(-max(1, max_len) // size), size)

@@ -161,15 +161,15 @@ def bench_decode(copy_bw: float) -> tuple[list[dict], dict]:
     kv_bytes = 2 * BATCH * CONTEXT * KV_HEADS * HEAD_DIM * 2
     out = torch.empty_like(q)
     rows = []
-    for partition in (256, 512, 1024, 2048):
+    for partition in (64, 256, 1024):
         for warps in (4, 8):
-            tuning = Tuning(decode_warps=warps, partition_size=partition, prefill_warps=4, row_threads=256)
+            tuning = Tuning(decode_warps=warps, min_partition=partition, prefill_warps=4, row_threads=256)
             seconds = graph_time(
                 lambda t=tuning: cuda_ops.paged_decode(out, q, kv_layer, tables, lens, CONTEXT, 0.088, t)
             )
             rows.append(
                 {
-                    "kernel": f"paged_decode p{partition} w{warps}",
+                    "kernel": f"paged_decode min{partition} w{warps}",
                     "shape": f"{BATCH}x{CONTEXT}",
                     "us": seconds * 1e6,
                     "GB/s": kv_bytes / seconds / 1e9,

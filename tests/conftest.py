@@ -1,10 +1,9 @@
 """Shared fixtures (a real daemon process per test that asks for one), and the rule that skips every test
-marked `gpu` where this machine has no CUDA device or no CuPy."""
+marked `gpu` where this machine has no CUDA device or no CuPy (tests/devices.py), and every test marked
+`cuda_kernels` where it has no C++ compiler for the kernels' emulator either."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -13,27 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.devices import missing_for_gpu_tests, missing_for_kernel_tests
 from tests.procs import STACKS, DaemonProcess, start_daemon
 
 
-@functools.cache
-def missing_for_gpu_tests() -> str | None:
-    """Why this machine cannot run the `gpu` tests, or None when it can."""
-    import torch
-
-    missing = [
-        *(["no CUDA device"] if not torch.cuda.is_available() else []),
-        *(["no CuPy"] if importlib.util.find_spec("cupy") is None else []),
-    ]
-    return f"needs a CUDA device and CuPy: this machine has {' and '.join(missing)}" if missing else None
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One rule for every test marked `gpu`, instead of a skipif in each file."""
-    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu_tests and (reason := missing_for_gpu_tests()):
-        for item in gpu_tests:
-            item.add_marker(pytest.mark.skip(reason=reason))
+    """One rule for every test marked `gpu` or `cuda_kernels`, instead of a skipif in each file."""
+    for marker, missing in (("gpu", missing_for_gpu_tests), ("cuda_kernels", missing_for_kernel_tests)):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        if marked and (reason := missing()):
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

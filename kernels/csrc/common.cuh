@@ -4,33 +4,50 @@
 // bfloat16) and convert through float with PTX: cvt.rn rounds to nearest even, as torch does.
 // Each source is compiled once per element type, chosen with -DDTYPE_F32, -DDTYPE_F16 or -DDTYPE_BF16.
 
+#ifndef PAGEDSERVE_EMULATE  // kernels/csrc/emulate.h has the host's versions
+__device__ __forceinline__ float half_bits_to_float(unsigned short x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
+__device__ __forceinline__ unsigned short float_to_half_bits(float f) {
+  unsigned short x;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
+  return x;
+}
+__device__ __forceinline__ unsigned short float_to_bfloat16_bits(float f) {
+  unsigned short x;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+  return x;
+}
+#endif
+
 #if defined(DTYPE_F32)
 typedef float scalar_t;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float from_float(float x) { return x; }
 #elif defined(DTYPE_F16)
 typedef unsigned short scalar_t;
-__device__ __forceinline__ float to_float(unsigned short x) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-}
-__device__ __forceinline__ unsigned short from_float(float f) {
-  unsigned short x;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
-  return x;
-}
+__device__ __forceinline__ float to_float(unsigned short x) { return half_bits_to_float(x); }
+__device__ __forceinline__ unsigned short from_float(float f) { return float_to_half_bits(f); }
 #elif defined(DTYPE_BF16)
 typedef unsigned short scalar_t;
 __device__ __forceinline__ float to_float(unsigned short x) { return __uint_as_float(((unsigned int)x) << 16); }
-__device__ __forceinline__ unsigned short from_float(float f) {
-  unsigned short x;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
-  return x;
-}
+__device__ __forceinline__ unsigned short from_float(float f) { return float_to_bfloat16_bits(f); }
 #else
 #error "define DTYPE_F32, DTYPE_F16 or DTYPE_BF16"
 #endif
+
+// A thread's VEC consecutive elements, loaded or stored as one access: VEC is 16 bytes' worth (8 of a 16-bit
+// type, 4 floats) where the wrapper found every row it passes 16-byte aligned, and 1 where it did not.
+#ifndef VEC
+#define VEC 1
+#endif
+struct alignas(sizeof(scalar_t) * VEC) Pack {
+  scalar_t v[VEC];
+};
+__device__ __forceinline__ Pack load_pack(const scalar_t* p) { return *reinterpret_cast<const Pack*>(p); }
+__device__ __forceinline__ void store_pack(scalar_t* p, const Pack& x) { *reinterpret_cast<Pack*>(p) = x; }
 
 #define WARP_SIZE 32
 #define NEG_LARGE (-1e30f)  // a running max that exp() turns into 0 without inf - inf = NaN

@@ -5,7 +5,9 @@
 //   residual:   [rows, hidden] contiguous, or null
 //   out:        [rows, hidden] contiguous, the normalized rows
 //   residual_out: [rows, hidden] contiguous, x + residual (may be the residual itself); unused without one
-// grid: (rows); block: a multiple of 32 threads.
+// Compile-time: VEC, and ITEMS, the packs of VEC elements each thread holds: the whole row stays in
+// registers between the sum of squares and the output, so it is read once.
+// grid: (rows); block: a multiple of 32 threads, with blockDim.x * ITEMS * VEC >= hidden.
 
 extern "C" __global__ void rms_norm(scalar_t* __restrict__ out, scalar_t* residual_out, const scalar_t* __restrict__ x,
                                     const scalar_t* residual, const scalar_t* __restrict__ weight, int hidden,
@@ -14,20 +16,50 @@ extern "C" __global__ void rms_norm(scalar_t* __restrict__ out, scalar_t* residu
   const long long row = blockIdx.x;
   const scalar_t* in = x + (row / heads) * token_stride + (row % heads) * head_stride;
   const long long base = row * hidden;
-  float sum_squares = 0.f;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    float value = to_float(in[i]);
-    if (residual != nullptr) {
-      const scalar_t summed = from_float(to_float(residual[base + i]) + value);
-      residual_out[base + i] = summed;
-      value = to_float(summed);
+  Pack values[ITEMS], weights[ITEMS], summed[ITEMS];
+#pragma unroll
+  for (int item = 0; item < ITEMS; ++item) {  // every load first, so they are all in flight at once
+    const int i = (item * blockDim.x + threadIdx.x) * VEC;
+    if (i < hidden) {
+      values[item] = load_pack(in + i);
+      weights[item] = load_pack(weight + i);
+      if (residual != nullptr) summed[item] = load_pack(residual + base + i);
     }
-    sum_squares += value * value;
+  }
+  if (residual != nullptr) {
+#pragma unroll
+    for (int item = 0; item < ITEMS; ++item) {
+      const int i = (item * blockDim.x + threadIdx.x) * VEC;
+      if (i < hidden) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          summed[item].v[e] = from_float(to_float(summed[item].v[e]) + to_float(values[item].v[e]));
+        }
+        store_pack(residual_out + base + i, summed[item]);
+        values[item] = summed[item];
+      }
+    }
+  }
+  float sum_squares = 0.f;
+#pragma unroll
+  for (int item = 0; item < ITEMS; ++item) {
+    if ((item * blockDim.x + threadIdx.x) * VEC < hidden) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sum_squares += to_float(values[item].v[e]) * to_float(values[item].v[e]);
+    }
   }
   const float scale = rsqrtf(block_sum(sum_squares, scratch) / hidden + eps);
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const float value = residual != nullptr ? to_float(residual_out[base + i]) : to_float(in[i]);
-    const float normed = to_float(from_float(value * scale));
-    out[base + i] = from_float(to_float(weight[i]) * normed);
+#pragma unroll
+  for (int item = 0; item < ITEMS; ++item) {
+    const int i = (item * blockDim.x + threadIdx.x) * VEC;
+    if (i < hidden) {
+      Pack normed;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float rounded = to_float(from_float(to_float(values[item].v[e]) * scale));
+        normed.v[e] = from_float(to_float(weights[item].v[e]) * rounded);
+      }
+      store_pack(out + base + i, normed);
+    }
   }
 }

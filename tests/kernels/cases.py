@@ -14,13 +14,15 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kernels import AttentionMetadata, TorchBackend, cuda_ops
 from kernels.cupy_backend import CupyBackend
+from tests.devices import kernel_device
 from tests.kernels.steps import Chunk, dtype_name, generator, make_metadata, slots_of
 
-DEVICE = torch.device("cuda")
+DEVICE = kernel_device()  # the GPU, or the CPU for the kernels' emulator
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_SIZES = cuda_ops.PAGE_SIZES  # 8, 16, 32
 HEAD_DIMS = cuda_ops.HEAD_DIMS  # 64, 128
@@ -33,6 +35,9 @@ EPS = 1e-6
 REFERENCE = TorchBackend()
 NAN = float("nan")
 
+
+# Where a view's rows start: on 16 bytes, which the kernels then move 16 bytes at a time, or one element off.
+OFFSETS = pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
 
 ATTENTION_CASES = list(itertools.product(PAGE_SIZES, HEAD_DIMS, GROUPS, DTYPES))
 ATTENTION_IDS = [f"B{b}-D{d}-G{g}-{dtype_name(t)}" for b, d, g, t in ATTENTION_CASES]
@@ -68,10 +73,13 @@ class Fused:
     v: torch.Tensor  # [T, Hkv, D]
 
 
-def fused_qkv(gen: torch.Generator, tokens: int, q_heads: int, head_dim: int, dtype: torch.dtype) -> Fused:
+def fused_qkv(
+    gen: torch.Generator, tokens: int, q_heads: int, head_dim: int, dtype: torch.dtype, offset: int = 0
+) -> Fused:
+    """offset columns of random values between the left padding and q: 1 puts q, k and v off 16 bytes."""
     widths = [q_heads * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim]
-    buffer = padded_rows(gen, tokens, sum(widths), dtype)
-    q, k, v = buffer[:, PAD : PAD + sum(widths)].split(widths, dim=-1)
+    buffer = padded_rows(gen, tokens, offset + sum(widths), dtype)
+    q, k, v = buffer[:, PAD + offset : PAD + offset + sum(widths)].split(widths, dim=-1)
     return Fused(
         buffer,
         q.view(tokens, q_heads, head_dim),

@@ -4,11 +4,12 @@ variant the worker can ask for; the attention kernels' largest variants keep eve
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from kernels.cuda_ops import HEAD_DIMS, PAGE_SIZES
-from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, compile_cubin
+from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, compile_cubin, compile_ptx
 from kernels.resources import read_resources
 from kernels.tuning import TUNINGS
 
@@ -19,12 +20,38 @@ ATTENTION = ("paged_decode", "paged_prefill")
 ROW_WISE = [name for name in KERNEL_FILES if name not in ATTENTION]
 
 
+# The compile-time shapes the wrappers ask of the row-wise kernels, beside VEC (cuda_ops._pack).
+ROW_WISE_SHAPES = {"rms_norm": [{"ITEMS": 1}, {"ITEMS": 4}], "rotary": [{"HEAD_DIM": d} for d in HEAD_DIMS]}
+VECTOR_WIDTHS = {"DTYPE_F32": 4, "DTYPE_F16": 8, "DTYPE_BF16": 8}  # 16 bytes
+
+
 @pytest.mark.parametrize(
     ("arch", "name", "dtype"), list(itertools.product(ARCHS, ROW_WISE, DTYPE_MACROS.values()))
 )
 def test_row_wise_kernels_compile(arch: str, name: str, dtype: str) -> None:
-    cubin, _ = compile_cubin(name, arch, {dtype: 1})
-    assert cubin[:4] == b"\x7fELF"
+    for shape in ROW_WISE_SHAPES.get(name, [{}]):
+        for vec in (1, VECTOR_WIDTHS[dtype]):
+            cubin, _ = compile_cubin(name, arch, {dtype: 1, "VEC": vec, **shape})
+            assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("name", ROW_WISE)
+def test_row_wise_kernels_move_16_bytes_an_access(name: str) -> None:
+    """With VEC at 16 bytes, every global load and store of the elements is a 128-bit one (the 64-bit
+    loads are of index tensors: positions, slots)."""
+    ptx = compile_ptx(name, "sm_90", {"DTYPE_BF16": 1, "VEC": 8, **ROW_WISE_SHAPES.get(name, [{}])[-1]})
+    accesses = re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx)
+    elements = [access for access in accesses if not access.endswith("64")]
+    assert elements and all(".v4." in access for access in elements), sorted(set(accesses))
+
+
+@pytest.mark.parametrize(
+    ("name", "slow"), [("silu_and_mul", "div.rn"), ("rotary", "div."), ("rotary", "rem.")]
+)
+def test_row_wise_kernels_do_no_slow_division(name: str, slow: str) -> None:
+    """silu's divide is the fast one; rotary finds its head and column by shifts, HEAD_DIM being fixed."""
+    ptx = compile_ptx(name, "sm_90", {"DTYPE_BF16": 1, "VEC": 8, **ROW_WISE_SHAPES.get(name, [{}])[-1]})
+    assert slow not in ptx
 
 
 @pytest.mark.parametrize(

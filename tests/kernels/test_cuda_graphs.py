@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/co
 @pytest.fixture(scope="module")
 def graph_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Head dim 64 over 2 KV heads, which the kernels take; a context of 2048 tokens, so that the graphs'
-    # decode bound spans four partitions.
+    # decode bound spans several partitions.
     return make_model(
         "llama",
         tmp_path_factory.mktemp("graph-model"),
@@ -58,7 +58,7 @@ def test_decode_graphs_replay_the_eager_forward(
     page_size = 16
     model = CausalLM.from_pretrained(graph_model_dir, dtype=dtype, device=DEVICE, backend=backend)
     spec = model.spec
-    part = backend.tuning.partition_size
+    part = backend.tuning.min_partition
     # 3 sequences run on the graph of 4 (one padding row); then 4 other sequences on the same graph.
     batches = [[part + 1, 1, 2 * part + 37], [17, spec.max_model_len, part, 3]]
     gen = generator(11)

@@ -6,7 +6,8 @@ finite everywhere; the kernels read one where every slot they must not read hold
 slot this step writes before reading it. Comparisons are in float32, against a tolerance of the expected
 values' scale.
 
-Needs a CUDA device and CuPy; skipped without them. The `backend` fixture is in tests/kernels/conftest.py.
+On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) on the CPU. The
+`backend` fixture is in tests/kernels/conftest.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from kernels import cuda_ops
 from kernels.cupy_backend import CupyBackend
+from kernels.launch import EMULATED_RESIDENT_BLOCKS
 from tests.kernels.cases import (
     ATTENTION_CASES,
     ATTENTION_IDS,
@@ -25,6 +27,7 @@ from tests.kernels.cases import (
     HEAD_DIMS,
     KV_HEADS,
     NAN,
+    OFFSETS,
     PAGE_SIZES,
     REFERENCE,
     assert_close,
@@ -37,7 +40,7 @@ from tests.kernels.cases import (
     same_bits,
 )
 
-pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
+pytestmark = pytest.mark.cuda_kernels  # on a GPU, else in the emulator on the CPU: tests/devices.py
 
 
 # KV write -----------------------------------------------------------------------------------------------
@@ -46,7 +49,10 @@ pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/co
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_kv_write(backend: CupyBackend, dtype: torch.dtype, page_size: int, head_dim: int) -> None:
+@OFFSETS
+def test_kv_write(
+    backend: CupyBackend, dtype: torch.dtype, page_size: int, head_dim: int, offset: int
+) -> None:
     gen = generator(1)
     num_pages, tokens = 24, 2 * page_size + 5
     pool = randn(gen, 2, 2, num_pages, page_size, KV_HEADS, head_dim, dtype=dtype)  # two layers
@@ -54,7 +60,7 @@ def test_kv_write(backend: CupyBackend, dtype: torch.dtype, page_size: int, head
     slots[::4] = -1  # padding rows, as in a CUDA graph's batch: skipped
     slots = slots.to(DEVICE)
     written = slots >= 0
-    fused = fused_qkv(gen, tokens, 3 * KV_HEADS, head_dim, dtype)
+    fused = fused_qkv(gen, tokens, 3 * KV_HEADS, head_dim, dtype, offset)
     pool.view(2, 2, -1, KV_HEADS, head_dim)[1, :, slots[written]] = NAN  # every target slot is overwritten
     expected = pool.clone()
     REFERENCE.write_kv(expected[1], fused.k[written], fused.v[written], slots[written])
@@ -74,7 +80,7 @@ def test_paged_decode(
     """Sequences of different lengths within one partition: page boundaries, a single token."""
     lengths = [2 * page_size + 3, 1, 3 * page_size, page_size, 100]
     case = attention_case(2, lengths, [], page_size, head_dim, group, dtype)
-    assert case.meta.decode_max_len <= backend.tuning.partition_size
+    assert case.meta.decode_max_len < 2 * backend.tuning.min_partition  # too short to split
 
     actual, expected = run_attention(case, backend)
 
@@ -86,9 +92,23 @@ def test_paged_decode_split_k(
     backend: CupyBackend, page_size: int, head_dim: int, group: int, dtype: torch.dtype
 ) -> None:
     """Long and short sequences in one batch: several partitions each, merged by the second kernel."""
-    part = backend.tuning.partition_size
+    part = backend.tuning.min_partition
     lengths = [2 * part + 37, 1, part, page_size + 3, part + 1, 3 * part]
     case = attention_case(3, lengths, [], page_size, head_dim, group, dtype)
+
+    actual, expected = run_attention(case, backend)
+
+    assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_paged_decode_of_a_batch_that_fills_the_device(backend: CupyBackend, dtype: torch.dtype) -> None:
+    """Enough sequences to fill the emulator's device alone (kernels.launch.EMULATED_RESIDENT_BLOCKS): long
+    contexts in one partition each (on a GPU the same batch is split, and must agree all the same)."""
+    part = backend.tuning.min_partition
+    seqs = EMULATED_RESIDENT_BLOCKS  # x KV_HEADS blocks: the waves the split aims at, and more
+    lengths = [3 * part + 5 * i for i in range(seqs)]
+    case = attention_case(8, lengths, [], 16, 128, 4, dtype)
 
     actual, expected = run_attention(case, backend)
 
@@ -102,7 +122,7 @@ def test_paged_decode_with_a_graph_bound(
     backend: CupyBackend, dtype: torch.dtype, page_size: int, with_long: bool
 ) -> None:
     """decode_max_len past every length, as CUDA graphs set it: partitions past a sequence's end are empty."""
-    part = backend.tuning.partition_size
+    part = backend.tuning.min_partition
     lengths = [page_size + 1, 1, 2 * page_size] + ([2 * part + 37] if with_long else [])
     case = attention_case(4, lengths, [], page_size, 128, 4, dtype, decode_max_len=4 * part + 100)
 
@@ -129,7 +149,7 @@ def test_paged_prefill_over_a_cached_prefix(
 def test_mixed_batch_of_decodes_and_prefills(
     backend: CupyBackend, dtype: torch.dtype, page_size: int, group: int
 ) -> None:
-    part = backend.tuning.partition_size
+    part = backend.tuning.min_partition
     decode_lengths = [page_size, 1, 2 * page_size + 3, part + 3]
     prefills = [(0, page_size + 3), (2 * page_size, 7), (part + 9, 1)]
     case = attention_case(6, decode_lengths, prefills, page_size, 128, group, dtype)
@@ -145,7 +165,7 @@ def test_attention_wrappers_write_every_output_element(
     backend: CupyBackend, dtype: torch.dtype, split: bool
 ) -> None:
     """cuda_ops.paged_decode and paged_prefill called directly, into an output filled with NaN."""
-    part = backend.tuning.partition_size
+    part = backend.tuning.min_partition
     decode_lengths = [17, 1, 2 * part + 37 if split else 200]
     case = attention_case(7, decode_lengths, [(0, 20), (33, 9)], 16, 128, 4, dtype)
     q, meta, n = case.fused.q, case.meta, case.meta.num_decodes

@@ -4,7 +4,8 @@ the typed wrappers' refusal of bad arguments before any launch.
 Inputs that are views of wider rows have NaN in the columns around them (tests/kernels/cases.py), which a
 kernel that ignores a stride would read.
 
-Needs a CUDA device and CuPy; skipped without them. The `backend` fixture is in tests/kernels/conftest.py.
+On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) on the CPU. The
+`backend` fixture is in tests/kernels/conftest.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.kernels.cases import (
     HEAD_DIMS,
     KV_HEADS,
     NAN,
+    OFFSETS,
     PAD,
     REFERENCE,
     assert_close,
@@ -39,7 +41,7 @@ from tests.kernels.cases import (
 )
 from tests.kernels.steps import llama_spec
 
-pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
+pytestmark = pytest.mark.cuda_kernels  # on a GPU, else in the emulator on the CPU: tests/devices.py
 
 
 # Row-wise kernels ---------------------------------------------------------------------------------------
@@ -47,15 +49,17 @@ pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/co
 NORM_SHAPES = [(7, 64), (5, 1000), (3, 4096), (6, 4, 64), (5, 4, 128)]  # [T, H], and [T, heads, D]
 
 
+@OFFSETS
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_rms_norm(
-    backend: CupyBackend, dtype: torch.dtype, shape: tuple[int, ...], with_residual: bool
+    backend: CupyBackend, dtype: torch.dtype, shape: tuple[int, ...], with_residual: bool, offset: int
 ) -> None:
     gen = generator(8)
     rows, width = shape[0], math.prod(shape[1:])
-    x = padded_rows(gen, rows, width, dtype)[:, PAD : PAD + width].view(shape)  # rows PAD apart, as q's are
+    start = PAD + offset  # rows PAD apart, as q's are
+    x = padded_rows(gen, rows, offset + width, dtype)[:, start : start + width].view(shape)
     weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=gen)).to(device=DEVICE, dtype=dtype)
     residual = randn(gen, *shape, dtype=dtype) if with_residual else None
     x_before = x.clone()
@@ -72,16 +76,19 @@ def test_rms_norm(
     assert torch.equal(x, x_before), "x changed"
 
 
+@OFFSETS
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_rotary_in_place(backend: CupyBackend, dtype: torch.dtype, head_dim: int, group: int) -> None:
+def test_rotary_in_place(
+    backend: CupyBackend, dtype: torch.dtype, head_dim: int, group: int, offset: int
+) -> None:
     gen = generator(9)
     spec = llama_spec(head_dim, max_positions=4096)
     cos_sin = rotary_table(spec, DEVICE, dtype)
     tokens = 37
     positions = torch.randint(0, spec.max_model_len, (tokens,), generator=gen).to(DEVICE)
-    fused = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype)
+    fused = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype, offset)
     fused.v.fill_(NAN)  # V, like the padding columns, is neither read nor written
     expected_q, expected_k = REFERENCE.rotary(fused.q.clone(), fused.k.clone(), positions, cos_sin)
     buffer_before = fused.buffer.clone()
@@ -91,16 +98,19 @@ def test_rotary_in_place(backend: CupyBackend, dtype: torch.dtype, head_dim: int
     assert q_out.data_ptr() == fused.q.data_ptr() and k_out.data_ptr() == fused.k.data_ptr(), "not in place"
     assert_close(fused.q, expected_q, dtype, "q")
     assert_close(fused.k, expected_k, dtype, "k")
-    qk_end = PAD + (group + 1) * KV_HEADS * head_dim
-    assert same_bits(fused.buffer[:, :PAD], buffer_before[:, :PAD])
+    qk_start = PAD + offset
+    qk_end = qk_start + (group + 1) * KV_HEADS * head_dim
+    assert same_bits(fused.buffer[:, :qk_start], buffer_before[:, :qk_start])
     assert same_bits(fused.buffer[:, qk_end:], buffer_before[:, qk_end:]), "V or the padding changed"
 
 
+@OFFSETS
 @pytest.mark.parametrize("inner", [64, 1000, 5632])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
-def test_silu_and_mul(backend: CupyBackend, dtype: torch.dtype, inner: int) -> None:
+def test_silu_and_mul(backend: CupyBackend, dtype: torch.dtype, inner: int, offset: int) -> None:
     gen = generator(10)
-    x = padded_rows(gen, 9, 2 * inner, dtype)[:, PAD : PAD + 2 * inner]  # rows further apart than 2 I
+    start = PAD + offset  # rows further apart than 2 I
+    x = padded_rows(gen, 9, offset + 2 * inner, dtype)[:, start : start + 2 * inner]
 
     out = backend.silu_and_mul(x)
 

@@ -1,0 +1,273 @@
+// The CUDA kernels of csrc/, compiled by the host's C++ compiler and run on the CPU (kernels/emulator.py).
+//
+// Each CUDA thread of a block is a fiber on one OS thread: a fiber runs until it reaches a barrier
+// (__syncthreads, a warp shuffle, __syncwarp), then the next one runs. A block's threads run round-robin
+// until all are done, then the next block starts, so `__shared__` arrays can be one static array per
+// kernel. Warp shuffles exchange through a slot per lane, behind a warp barrier: every lane of the warp must
+// reach the same shuffle, as on a GPU with a full mask. This is for checking results against the torch
+// reference; it says nothing about speed, and a race the barriers would hide on a GPU is not found here.
+#pragma once
+
+#include <setjmp.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <math.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#define PAGEDSERVE_EMULATE 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static  // one block at a time (see above)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+namespace emu {
+
+constexpr int kWarpSize = 32;
+constexpr std::size_t kStackBytes = 256 * 1024;
+
+struct Barrier {
+  int size = 0, arrived = 0;
+  unsigned long long generation = 0;
+};
+
+struct Fiber {
+  dim3 thread_idx;
+  int flat = 0;  // threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+  bool started = false, done = false;
+  ucontext_t start;
+  jmp_buf resume;
+  std::vector<char> stack;
+};
+
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<Barrier> warps;
+  Barrier all;
+  std::vector<uint64_t> slots[2];  // a shuffle's values, double-buffered by the warp's generation
+  Fiber* current = nullptr;
+  jmp_buf scheduler;
+  void (*body)() = nullptr;
+};
+
+inline Block* block = nullptr;
+inline dim3 block_idx, block_dim, grid_dim;
+
+inline void yield() {
+  if (_setjmp(block->current->resume) == 0) _longjmp(block->scheduler, 1);
+}
+
+inline void arrive(Barrier& barrier) {
+  if (++barrier.arrived == barrier.size) {
+    barrier.arrived = 0;
+    ++barrier.generation;
+    return;
+  }
+  const unsigned long long generation = barrier.generation;
+  while (barrier.generation == generation) yield();
+}
+
+inline void fiber_main() {
+  block->body();
+  block->current->done = true;
+  _longjmp(block->scheduler, 1);
+}
+
+// Runs body() once per thread of the current block, until every thread has returned.
+inline void run_block() {
+  Block& b = *block;
+  for (Fiber& f : b.fibers) f.started = f.done = false;
+  for (bool pending = true; pending;) {
+    pending = false;
+    for (Fiber& f : b.fibers) {
+      if (f.done) continue;
+      b.current = &f;
+      if (_setjmp(b.scheduler) == 0) {
+        if (!f.started) {
+          f.started = true;
+          getcontext(&f.start);
+          f.start.uc_stack.ss_sp = f.stack.data();
+          f.start.uc_stack.ss_size = f.stack.size();
+          f.start.uc_link = nullptr;
+          makecontext(&f.start, fiber_main, 0);
+          setcontext(&f.start);
+        }
+        _longjmp(f.resume, 1);
+      }
+      pending |= !f.done;
+    }
+  }
+  for (const Barrier& w : b.warps)
+    if (w.arrived) throw std::runtime_error("a warp's threads left the kernel with some waiting at a shuffle");
+  if (b.all.arrived) throw std::runtime_error("threads left the kernel with some waiting at __syncthreads");
+}
+
+inline Fiber& self() { return *block->current; }
+
+inline int lane() { return self().flat % kWarpSize; }
+
+inline Barrier& my_warp() { return block->warps[self().flat / kWarpSize]; }
+
+// Every lane puts its value, then reads the value of lane `source(lane)`.
+template <class T, class Source>
+T exchange(T value, Source source) {
+  static_assert(sizeof(T) <= sizeof(uint64_t));
+  Barrier& warp = my_warp();
+  std::vector<uint64_t>& slots = block->slots[warp.generation & 1];
+  const int first = self().flat - lane();
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  slots[self().flat] = bits;
+  arrive(warp);
+  const int from = source(lane());
+  if (from < 0 || from >= warp.size) return value;  // out of the warp: a GPU returns the lane's own value
+  T out;
+  std::memcpy(&out, &slots[first + from], sizeof(T));
+  return out;
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::self().thread_idx)
+#define blockIdx (emu::block_idx)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+
+inline void __syncthreads() { emu::arrive(emu::block->all); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::arrive(emu::my_warp()); }
+
+template <class T>
+T __shfl_xor_sync(unsigned, T value, int mask) {
+  return emu::exchange(value, [mask](int lane) { return lane ^ mask; });
+}
+template <class T>
+T __shfl_sync(unsigned, T value, int source) {
+  return emu::exchange(value, [source](int) { return source; });
+}
+template <class T>
+T __shfl_down_sync(unsigned, T value, int delta) {
+  return emu::exchange(value, [delta](int lane) { return lane + delta; });
+}
+
+// CUDA's math and bit intrinsics, as the host computes them.
+inline float __expf(float x) { return std::exp(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __frcp_rn(float x) { return 1.f / x; }
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned x;
+  std::memcpy(&x, &f, 4);
+  return x;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+
+// The 16-bit conversions common.cuh does with PTX's cvt: round to nearest even, as torch does.
+inline float half_bits_to_float(unsigned short x) {
+  _Float16 h;
+  std::memcpy(&h, &x, 2);
+  return static_cast<float>(h);
+}
+inline unsigned short float_to_half_bits(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  unsigned short x;
+  std::memcpy(&x, &h, 2);
+  return x;
+}
+inline unsigned short float_to_bfloat16_bits(float f) {
+  const unsigned bits = __float_as_uint(f);
+  if (std::isnan(f)) return 0x7fff;  // PTX's canonical NaN
+  return static_cast<unsigned short>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+namespace emu {
+
+// Calls a kernel with arguments from an array of pointers to their values, as cuLaunchKernel takes them;
+// sizes[i] is the byte size the caller packed for argument i, checked against the kernel's parameter.
+template <class... Params, std::size_t... I>
+void call(void (*kernel)(Params...), void** args, std::index_sequence<I...>) {
+  kernel(*static_cast<Params*>(args[I])...);
+}
+
+template <class... Params>
+std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, void** args, const int64_t* sizes,
+                   int count) {
+  constexpr int expected = sizeof...(Params);
+  if (count != expected)
+    return "the kernel takes " + std::to_string(expected) + " arguments, got " + std::to_string(count);
+  const std::size_t param_sizes[] = {sizeof(Params)..., 0};
+  for (int i = 0; i < count; ++i)
+    if (static_cast<std::size_t>(sizes[i]) != param_sizes[i])
+      return "argument " + std::to_string(i) + " is " + std::to_string(sizes[i]) + " bytes, the kernel's " +
+             std::to_string(param_sizes[i]);
+  const unsigned threads_per_block = threads.x * threads.y * threads.z;
+  if (threads_per_block == 0 || threads_per_block > 1024) return "a block of 1 to 1024 threads";
+
+  Block b;
+  b.fibers.resize(threads_per_block);
+  for (unsigned t = 0; t < threads_per_block; ++t) {
+    Fiber& f = b.fibers[t];
+    f.flat = static_cast<int>(t);
+    f.thread_idx = {t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y)};
+    f.stack.resize(kStackBytes);
+  }
+  for (unsigned first = 0; first < threads_per_block; first += kWarpSize) {
+    Barrier warp;
+    warp.size = static_cast<int>(std::min<unsigned>(kWarpSize, threads_per_block - first));
+    b.warps.push_back(warp);
+  }
+  b.all.size = static_cast<int>(threads_per_block);
+  b.slots[0].assign(threads_per_block, 0);
+  b.slots[1].assign(threads_per_block, 0);
+  static void** pending_args;
+  static void (*pending_kernel)(Params...);
+  pending_args = args;
+  pending_kernel = kernel;
+  b.body = [] { call(pending_kernel, pending_args, std::index_sequence_for<Params...>{}); };
+  block = &b;
+  block_dim = threads;
+  grid_dim = grid;
+  try {
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          block_idx = {x, y, z};
+          run_block();
+        }
+  } catch (const std::exception& error) {
+    block = nullptr;
+    return error.what();
+  }
+  block = nullptr;
+  return "";
+}
+
+}  // namespace emu
+
+// One C entry point per kernel, for ctypes: returns 0, or 1 with the reason in `error` (a buffer of 512).
+#define EMULATE_ENTRY(function)                                                                          \
+  extern "C" int emulate_##function(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,    \
+                                    unsigned bz, void** args, const int64_t* sizes, int count,           \
+                                    char* error) {                                                       \
+    const std::string message = emu::launch(function, {gx, gy, gz}, {bx, by, bz}, args, sizes, count); \
+    std::snprintf(error, 512, "%s", message.c_str());                                                   \
+    return message.empty() ? 0 : 1;                                                                      \
+  }

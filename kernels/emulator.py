@@ -1,0 +1,103 @@
+"""The CUDA kernels of csrc/ on the CPU, for checking them against the torch reference where no GPU is
+(as Triton's interpreter does for Triton kernels).
+
+The same sources NVRTC compiles are compiled by the host's C++ compiler with csrc/emulate.h in front, which
+runs each CUDA thread as a fiber and each warp shuffle and barrier as a meeting of fibers. cuda_ops
+launches here when its tensors are on the CPU, with the same arguments it gives CuPy. It is slow (a few
+thousand threads a millisecond) and says nothing about speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+import numpy as np
+
+from kernels.nvrtc import CSRC, source
+from pagedserve.plumbing.paths import cache_dir
+
+# The host compiler's flags: no strict aliasing, as NVRTC's sources read 16-bit types through other
+# types' pointers; no _FORTIFY_SOURCE, whose longjmp check refuses the jump between fiber stacks.
+CXXFLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE", "-w"]
+_KERNEL = re.compile(r'extern "C" __global__ void (\w+)\(')
+_ARGUMENT_TYPES: dict[type, type[ctypes._SimpleCData]] = {
+    np.uint64: ctypes.c_uint64,  # a device pointer
+    np.int64: ctypes.c_int64,
+    np.int32: ctypes.c_int32,
+    np.float32: ctypes.c_float,
+}
+
+
+class EmulatorError(RuntimeError):
+    pass
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++")
+
+
+class EmulatedKernel:
+    """A kernel of csrc/ that runs on the CPU; called as a cupy.RawKernel is: (grid, block, args)."""
+
+    def __init__(self, library: ctypes.CDLL, function: str) -> None:
+        self.function = function
+        self._entry = getattr(library, f"emulate_{function}")
+        self._entry.restype = ctypes.c_int
+
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[object]) -> None:
+        values = [_argument(arg) for arg in args]
+        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
+        sizes = (ctypes.c_int64 * len(values))(*[ctypes.sizeof(value) for value in values])
+        error = ctypes.create_string_buffer(512)
+        dims = [*(_dims(grid)), *(_dims(block))]
+        if self._entry(*map(ctypes.c_uint, dims), pointers, sizes, len(values), error):
+            raise EmulatorError(f"{self.function}: {error.value.decode()}")
+
+
+def _dims(dims: Sequence[int]) -> list[int]:
+    return [*dims, 1, 1][:3]
+
+
+def _argument(arg: object) -> ctypes._SimpleCData:
+    """A kernel argument as cuda_ops packs it for CuPy (a NumPy scalar), as the C type of its size."""
+    kind = _ARGUMENT_TYPES.get(type(arg))
+    if kind is None or not isinstance(arg, np.generic):
+        raise TypeError(f"a kernel argument must be one of {list(_ARGUMENT_TYPES)}, got {type(arg)}")
+    return kind(arg.item())
+
+
+@functools.cache
+def emulated_kernel(name: str, function: str, macros: tuple[tuple[str, object], ...]) -> EmulatedKernel:
+    """The kernel `function` of csrc/<name>.cu, built for the CPU with the given macros."""
+    return EmulatedKernel(_library(name, macros), function)
+
+
+@functools.cache
+def _library(name: str, macros: tuple[tuple[str, object], ...]) -> ctypes.CDLL:
+    cxx = compiler()
+    if cxx is None:
+        raise EmulatorError("no C++ compiler (c++ or $CXX) to build the emulated kernels")
+    text = source(name)
+    entries = "".join(f"EMULATE_ENTRY({function})\n" for function in _KERNEL.findall(text))
+    program = f'#include "emulate.h"\n{text}\n{entries}'
+    defines = [f"-D{key}={value}" for key, value in macros]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    emulate_h = (CSRC / "emulate.h").read_text()
+    key = hashlib.sha256(f"{program}|{emulate_h}|{defines}|{CXXFLAGS}|{version}".encode()).hexdigest()[:16]
+    path = cache_dir() / "emulated-kernels" / f"{name}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        command = [cxx, *CXXFLAGS, f"-I{CSRC}", *defines, "-x", "c++", "-", "-o", str(scratch)]
+        done = subprocess.run(command, input=program, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise EmulatorError(f"{name}.cu with {dict(macros)} did not compile for the CPU:\n{done.stderr}")
+        scratch.rename(path)  # atomic: a concurrent test sees a whole file or none
+    return ctypes.CDLL(str(path))

@@ -1,0 +1,55 @@
+"""The decode grid's split of each context (kernels.tuning.decode_split): enough blocks to fill the device
+twice over, no split for a batch that fills it alone, no partition shorter than the minimum."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kernels.tuning import DECODE_WAVES, PARTITION_QUANTUM, decode_split
+
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("kv_heads", [1, 8])
+def test_one_long_sequence_is_spread_over_every_sm(kv_heads: int) -> None:
+    """Batch 1 at 4096 tokens: one partition per 512 tokens ran 8 x kv_heads blocks on 132 SMs."""
+    split = decode_split(1, kv_heads, 4096, resident_blocks=4 * H200_SMS, min_partition=64)
+    assert (split.partitions, split.partition_size) == (64, 64)  # as many as the minimum length allows
+    assert kv_heads * split.partitions >= min(64 * kv_heads, H200_SMS)
+
+
+def test_a_large_batch_is_split_into_two_waves() -> None:
+    split = decode_split(64, 8, 4096, resident_blocks=4 * H200_SMS, min_partition=64)
+    assert 64 * 8 * split.partitions >= DECODE_WAVES * 4 * H200_SMS
+    assert split.partitions == 3 and split.partition_size == 1376  # 4096 / 3, rounded up to whole pages
+
+
+def test_a_batch_that_fills_the_device_is_not_split() -> None:
+    split = decode_split(256, 8, 4096, resident_blocks=4 * H200_SMS, min_partition=64)
+    assert (split.partitions, split.partition_size) == (1, 4096)
+
+
+@pytest.mark.parametrize("max_len", [0, 1, 63, 64, 65, 200])
+def test_short_contexts_are_one_partition_until_twice_the_minimum(max_len: int) -> None:
+    split = decode_split(1, 1, max_len, resident_blocks=1000, min_partition=64)
+    assert split.partitions == max(1, max_len // 64) and split.partitions * split.partition_size >= max_len
+
+
+def test_every_split_covers_the_context_in_whole_quanta_with_no_empty_partition() -> None:
+    for seqs, kv_heads, max_len, resident, minimum in itertools.product(
+        (1, 3, 64, 500), (1, 2, 8), (1, 31, 32, 33, 1000, 4096, 131072), (8, 528, 4224), (32, 64, 256)
+    ):
+        split = decode_split(seqs, kv_heads, max_len, resident, minimum)
+        case = (seqs, kv_heads, max_len, resident, minimum, split)
+        assert split.partition_size % PARTITION_QUANTUM == 0, case
+        assert split.partitions * split.partition_size >= max_len, case
+        assert (split.partitions - 1) * split.partition_size < max(1, max_len), (
+            case
+        )  # the last one has tokens
+        if split.partitions > 1:
+            assert split.partition_size >= minimum, case
+            assert seqs * kv_heads * (split.partitions - 1) < DECODE_WAVES * resident, (
+                case
+            )  # not more than needed
