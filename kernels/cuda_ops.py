@@ -13,10 +13,10 @@ from typing import get_args
 import numpy as np
 import torch
 
-from kernels.backend import PageSize
+from kernels.backend import AttentionMetadata, PageSize
 from kernels.launch import launch, resident_blocks
 from kernels.nvrtc import DTYPE_MACROS
-from kernels.tuning import Tuning, decode_split
+from kernels.tuning import Tuning, decode_split, prefill_tiles
 
 PAGE_SIZES = get_args(PageSize)
 HEAD_DIMS = (64, 128)
@@ -176,28 +176,41 @@ def paged_prefill(
     out: torch.Tensor,
     q: torch.Tensor,
     kv_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    token_seq: torch.Tensor,
-    token_pos: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
     tuning: Tuning,
 ) -> None:
-    """out [Tp, Hq, D]: each query token attends causally to keys 0..token_pos of its sequence's pages."""
-    shape = _attention(out, q, kv_layer, block_tables)
-    _index(token_seq, "token_seq", 1)
-    _index(token_pos, "token_pos", 1)
+    """out [Tp, Hq, D]: the prefill rows of meta's step (q [Tp, Hq, D], its tokens past the decodes), each
+    attending causally to its sequence's keys up to its own position.
+
+    16-bit types run on tensor cores, tile by tile (paged_prefill_mma.cu); float32 a warp per query token.
+    """
+    shape = _attention(out, q, kv_layer, meta.block_tables)
+    _index(meta.prefill_seq, "prefill_seq", 1)
+    _index(meta.prefill_pos, "prefill_pos", 1)
     tokens, kv_heads, warps = q.shape[0], shape.kv_heads, tuning.prefill_warps
     _require(
-        token_seq.shape[0] == token_pos.shape[0] == tokens, "one sequence row and position per query token"
+        meta.prefill_seq.shape[0] == meta.prefill_pos.shape[0] == tokens,
+        "one sequence row and position per query token",
     )
     if tokens == 0:
         return
-    args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(block_tables), _ptr(token_seq), _ptr(token_pos),
-            np.int32(tokens), np.int32(kv_heads), np.int32(block_tables.shape[1]), np.int64(q.stride(0)),
-            np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
-    grid = (-(-tokens * kv_heads // warps),)
     macros = {**shape.macros, "NUM_WARPS": warps}
-    launch("paged_prefill", "paged_prefill", macros, grid, (warps * 32,), args, q.device)
+    common = (np.int32(kv_heads), np.int32(meta.block_tables.shape[1]), np.int64(q.stride(0)),
+              np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
+    args: tuple
+    if "DTYPE_F32" in macros:  # no tensor cores for float32: a warp per query token and KV head
+        name = "paged_prefill"
+        args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(meta.prefill_seq),
+                _ptr(meta.prefill_pos), np.int32(tokens), *common)  # fmt: skip
+        grid: tuple[int, ...] = (-(-tokens * kv_heads // warps),)
+    else:
+        name = "paged_prefill_mma"
+        tiles = torch.tensor(prefill_tiles(meta, 16 * warps // shape.macros["GROUP"]), dtype=torch.int64)
+        tiles = tiles.to(q.device, non_blocking=True)
+        args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(tiles), *common)
+        grid = (tiles.shape[0], kv_heads)
+    launch(name, name, macros, grid, (warps * 32,), args, q.device)
 
 
 def rms_norm(

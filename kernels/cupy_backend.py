@@ -39,16 +39,7 @@ class CupyBackend:
                 out[:n], q[:n], kv_layer, tables, lens, meta.decode_max_len, scale, self.tuning
             )
         if n < q.shape[0]:
-            cuda_ops.paged_prefill(
-                out[n:],
-                q[n:],
-                kv_layer,
-                meta.block_tables,
-                meta.prefill_seq,
-                meta.prefill_pos,
-                scale,
-                self.tuning,
-            )
+            cuda_ops.paged_prefill(out[n:], q[n:], kv_layer, meta, scale, self.tuning)
         return out
 
     def rms_norm(

@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     import cupy
 
 CSRC = Path(__file__).parent / "csrc"
-KERNEL_FILES = ("kv_write", "paged_decode", "paged_prefill", "rms_norm", "rotary", "silu_and_mul")
+KERNEL_FILES = (
+    "kv_write",
+    "paged_decode",
+    "paged_prefill",
+    "paged_prefill_mma",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+)
 DTYPE_MACROS = {"float32": "DTYPE_F32", "float16": "DTYPE_F16", "bfloat16": "DTYPE_BF16"}
 
 
@@ -29,11 +37,16 @@ class CompileError(RuntimeError):
 
 
 ATTENTION = ("paged_decode", "paged_prefill")
+TENSOR_CORE = ("paged_prefill_mma",)  # 16-bit types only
 
 
 def source(name: str) -> str:
     """A kernel's source with the shared headers in front (NVRTC sees one file)."""
-    headers = ["common.cuh", *(["attention.cuh"] if name in ATTENTION else [])]
+    headers = [
+        "common.cuh",
+        *(["attention.cuh"] if name in ATTENTION else []),
+        *(["mma.cuh"] if name in TENSOR_CORE else []),
+    ]
     return "\n".join((CSRC / file).read_text() for file in [*headers, f"{name}.cu"])
 
 

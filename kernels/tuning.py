@@ -1,4 +1,5 @@
-"""Launch parameters per GPU architecture, picked at run time, and the decode grid's split of each context.
+"""Launch parameters per GPU architecture, picked at run time, and the grids' geometry: the decode grid's
+split of each context, the tensor-core prefill's tiles.
 
 The values are starting points for Ampere (sm_80) and Hopper (sm_90), chosen from the kernels' shapes:
 decode blocks of 4 warps that each stream rows of K and V, and 256-thread blocks for the row-wise kernels.
@@ -8,6 +9,8 @@ scripts/gpu_check.sh times the alternatives on a real device; write what it find
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kernels.backend import AttentionMetadata
 
 # Partition lengths are multiples of this, which every page size divides, so a partition is whole pages.
 PARTITION_QUANTUM = 32
@@ -57,3 +60,17 @@ def decode_split(
     size = -(-max(1, max_len) // partitions)
     size = -(-size // PARTITION_QUANTUM) * PARTITION_QUANTUM
     return DecodeSplit(-(-max(1, max_len) // size), size)
+
+
+def prefill_tiles(meta: AttentionMetadata, tile_tokens: int) -> list[tuple[int, int, int, int]]:
+    """The tensor-core prefill's tiles: (block_tables row, first query token among the prefill rows, tokens,
+    first position), up to tile_tokens query tokens each, those that see the most keys first, so that the
+    grid's last wave holds the short ones."""
+    base = meta.query_start_host[meta.num_decodes]
+    tiles = []
+    for seq in range(meta.num_decodes, meta.num_seqs):
+        start, end = meta.query_start_host[seq], meta.query_start_host[seq + 1]
+        cached = meta.seq_lens_host[seq] - (end - start)
+        for first in range(0, end - start, tile_tokens):
+            tiles.append((seq, start - base + first, min(tile_tokens, end - start - first), cached + first))
+    return sorted(tiles, key=lambda tile: -(tile[2] + tile[3]))

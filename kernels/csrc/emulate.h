@@ -42,10 +42,20 @@ struct Barrier {
   unsigned long long generation = 0;
 };
 
+// A cp.async copy, done when the thread waits for its group (csrc/mma.cuh): a kernel that reads shared memory
+// before waiting, or before the barrier after the wait, reads what was there before.
+struct Copy {
+  void* shared;
+  const void* global;
+  bool valid;
+};
+
 struct Fiber {
   dim3 thread_idx;
   int flat = 0;  // threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
   bool started = false, done = false;
+  std::vector<Copy> uncommitted;
+  std::vector<std::vector<Copy>> in_flight;  // committed groups, oldest first
   ucontext_t start;
   jmp_buf resume;
   std::vector<char> stack;
@@ -87,7 +97,11 @@ inline void fiber_main() {
 // Runs body() once per thread of the current block, until every thread has returned.
 inline void run_block() {
   Block& b = *block;
-  for (Fiber& f : b.fibers) f.started = f.done = false;
+  for (Fiber& f : b.fibers) {
+    f.started = f.done = false;
+    f.uncommitted.clear();
+    f.in_flight.clear();
+  }
   for (bool pending = true; pending;) {
     pending = false;
     for (Fiber& f : b.fibers) {
@@ -119,21 +133,27 @@ inline int lane() { return self().flat % kWarpSize; }
 
 inline Barrier& my_warp() { return block->warps[self().flat / kWarpSize]; }
 
+// Every lane's value, in lane order: each lane puts its own, and all read them after a warp barrier.
+inline void gather(uint64_t value, uint64_t (&all)[kWarpSize]) {
+  Barrier& warp = my_warp();
+  std::vector<uint64_t>& slots = block->slots[warp.generation & 1];
+  const int first = self().flat - lane();
+  slots[self().flat] = value;
+  arrive(warp);
+  for (int i = 0; i < warp.size; ++i) all[i] = slots[first + i];
+}
+
 // Every lane puts its value, then reads the value of lane `source(lane)`.
 template <class T, class Source>
 T exchange(T value, Source source) {
   static_assert(sizeof(T) <= sizeof(uint64_t));
-  Barrier& warp = my_warp();
-  std::vector<uint64_t>& slots = block->slots[warp.generation & 1];
-  const int first = self().flat - lane();
-  uint64_t bits = 0;
+  uint64_t bits = 0, all[kWarpSize];
   std::memcpy(&bits, &value, sizeof(T));
-  slots[self().flat] = bits;
-  arrive(warp);
+  gather(bits, all);
   const int from = source(lane());
-  if (from < 0 || from >= warp.size) return value;  // out of the warp: a GPU returns the lane's own value
+  if (from < 0 || from >= my_warp().size) return value;  // out of the warp: a GPU returns the lane's own value
   T out;
-  std::memcpy(&out, &slots[first + from], sizeof(T));
+  std::memcpy(&out, &all[from], sizeof(T));
   return out;
 }
 

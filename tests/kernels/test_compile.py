@@ -9,7 +9,7 @@ import re
 import pytest
 
 from kernels.cuda_ops import HEAD_DIMS, PAGE_SIZES
-from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, compile_cubin, compile_ptx
+from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, TENSOR_CORE, compile_cubin, compile_ptx
 from kernels.resources import read_resources
 from kernels.tuning import TUNINGS
 
@@ -17,7 +17,12 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy and nvid
 
 ARCHS = [f"sm_{cc}" for cc in sorted(TUNINGS)]
 ATTENTION = ("paged_decode", "paged_prefill")
-ROW_WISE = [name for name in KERNEL_FILES if name not in ATTENTION]
+ROW_WISE = [name for name in KERNEL_FILES if name not in (*ATTENTION, *TENSOR_CORE)]
+# Each attention kernel with the dtypes it is built for: the tensor-core ones take 16-bit types only.
+ATTENTION_DTYPES = [
+    *((name, dtype) for name in ATTENTION for dtype in DTYPE_MACROS.values()),
+    *((name, dtype) for name in TENSOR_CORE for dtype in ("DTYPE_F16", "DTYPE_BF16")),
+]
 
 
 # The compile-time shapes the wrappers ask of the row-wise kernels, beside VEC (cuda_ops._pack).
@@ -55,10 +60,11 @@ def test_row_wise_kernels_do_no_slow_division(name: str, slow: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("arch", "name", "dtype", "head_dim", "page_size"),
-    list(itertools.product(ARCHS, ATTENTION, DTYPE_MACROS.values(), HEAD_DIMS, PAGE_SIZES)),
+    ("arch", "kernel", "head_dim", "page_size"),
+    list(itertools.product(ARCHS, ATTENTION_DTYPES, HEAD_DIMS, PAGE_SIZES)),
 )
-def test_attention_kernels_compile(arch: str, name: str, dtype: str, head_dim: int, page_size: int) -> None:
+def test_attention_kernels_compile(arch: str, kernel: tuple[str, str], head_dim: int, page_size: int) -> None:
+    name, dtype = kernel
     tuning = TUNINGS[int(arch[3:])]
     macros = {
         dtype: 1,
@@ -71,7 +77,9 @@ def test_attention_kernels_compile(arch: str, name: str, dtype: str, head_dim: i
     assert cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize(("arch", "name", "group"), list(itertools.product(ARCHS, ATTENTION, (1, 3, 8, 16))))
+@pytest.mark.parametrize(
+    ("arch", "name", "group"), list(itertools.product(ARCHS, (*ATTENTION, *TENSOR_CORE), (1, 3, 8, 16)))
+)
 def test_attention_kernels_do_not_spill(arch: str, name: str, group: int) -> None:
     """Read from the cubin itself (kernels/resources.py), not from ptxas's log, which NVRTC 13 leaves empty
     when it serves a compile from its cache: a spill needs a stack frame, so frames of 0 bytes prove none.

@@ -1,5 +1,6 @@
-"""The decode grid's split of each context (kernels.tuning.decode_split): enough blocks to fill the device
-twice over, no split for a batch that fills it alone, no partition shorter than the minimum."""
+"""The grids' geometry (kernels/tuning.py): the decode grid's split of each context (enough blocks to fill
+the device twice over, no split for a batch that fills it alone, no partition shorter than the minimum)
+and the tensor-core prefill's tiles."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import itertools
 
 import pytest
 
-from kernels.tuning import DECODE_WAVES, PARTITION_QUANTUM, decode_split
+from kernels.tuning import DECODE_WAVES, PARTITION_QUANTUM, decode_split, prefill_tiles
+from tests.kernels.steps import Chunk, make_metadata
 
 H200_SMS = 132
 
@@ -53,3 +55,13 @@ def test_every_split_covers_the_context_in_whole_quanta_with_no_empty_partition(
             assert seqs * kv_heads * (split.partitions - 1) < DECODE_WAVES * resident, (
                 case
             )  # not more than needed
+
+
+def test_prefill_tiles_cover_every_query_token_once_longest_first() -> None:
+    """Two decodes, then chunks of 150 new tokens after 40 cached and of 5 after none; tiles of 64 tokens."""
+    chunks = [Chunk((1, 2, 3, 4), 40, 150), Chunk((5,), 0, 5)]
+    meta = make_metadata([Chunk((6,), 0, 1), Chunk((7,), 3, 1)], chunks, 64)
+    tiles = prefill_tiles(meta, 64)
+    assert tiles == [(2, 128, 22, 168), (2, 64, 64, 104), (2, 0, 64, 40), (3, 150, 5, 0)]
+    covered = sorted(first + i for _, first, tokens, _ in tiles for i in range(tokens))
+    assert covered == list(range(155))
