@@ -148,9 +148,14 @@ def paged_decode(
     if seqs == 0:
         return
     macros = {**shape.macros, "NUM_WARPS": tuning.decode_warps}
-    threads = tuning.decode_warps * 32
-    resident = resident_blocks("paged_decode", "paged_decode", macros, threads, q.device)
-    split = decode_split(seqs, kv_heads, max_seq_len, resident, tuning.min_partition)
+    threads, shared = tuning.decode_warps * 32, 0
+    name = "paged_decode"
+    if "DTYPE_F32" not in macros:  # 16-bit types run on tensor cores
+        name = "paged_decode_mma"
+        macros |= {"STAGES": tuning.decode_stages, "MAX_PARTITION": tuning.max_partition}
+        shared = _decode_mma_shared_bytes(head_dim, shape.macros["PAGE_SIZE"], tuning)
+    resident = resident_blocks(name, name, macros, threads, q.device, shared)
+    split = decode_split(seqs, kv_heads, max_seq_len, resident, tuning.min_partition, tuning.max_partition)
     partitions = split.partitions
     partial_out = partial_max = partial_sum = None
     if partitions > 1:
@@ -163,13 +168,20 @@ def paged_decode(
             _ptr(block_tables), _ptr(seq_lens), np.int32(kv_heads), np.int32(block_tables.shape[1]),
             np.int64(q.stride(0)), np.int64(shape.v_offset), np.float32(scale),
             np.int32(split.partition_size))  # fmt: skip
-    grid = (seqs, kv_heads, partitions)
-    launch("paged_decode", "paged_decode", macros, grid, (threads,), args, q.device)
+    launch(name, name, macros, (seqs, kv_heads, partitions), (threads,), args, q.device, shared)
     if partitions > 1:
         reduce_args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(seq_lens),
                        np.int32(kv_heads), np.int32(partitions), np.int32(split.partition_size))  # fmt: skip
         heads = (seqs, q.shape[1])
-        launch("paged_decode", "paged_decode_reduce", macros, heads, (head_dim,), reduce_args, q.device)
+        merge = {**shape.macros, "NUM_WARPS": tuning.decode_warps}  # paged_decode.cu's
+        launch("paged_decode", "paged_decode_reduce", merge, heads, (head_dim,), reduce_args, q.device)
+
+
+def _decode_mma_shared_bytes(head_dim: int, page_size: int, tuning: Tuning) -> int:
+    """paged_decode_mma.cu's SHARED_BYTES: each warp's pipeline of 16-key K and V tiles, the query rows, and
+    the partition's page ids (4 bytes each)."""
+    pipeline = tuning.decode_warps * tuning.decode_stages * 2 * 16 * head_dim * 2
+    return pipeline + 16 * head_dim * 2 + tuning.max_partition // page_size * 4
 
 
 def paged_prefill(

@@ -51,13 +51,16 @@ class EmulatedKernel:
         self._entry = getattr(library, f"emulate_{function}")
         self._entry.restype = ctypes.c_int
 
-    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[object]) -> None:
+    def __call__(
+        self, grid: Sequence[int], block: Sequence[int], args: Sequence[object], shared_mem: int = 0
+    ) -> None:
         values = [_argument(arg) for arg in args]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(value) for value in values])
         sizes = (ctypes.c_int64 * len(values))(*[ctypes.sizeof(value) for value in values])
         error = ctypes.create_string_buffer(512)
         dims = [*(_dims(grid)), *(_dims(block))]
-        if self._entry(*map(ctypes.c_uint, dims), pointers, sizes, len(values), error):
+        launch = (*map(ctypes.c_uint, dims), ctypes.c_int64(shared_mem), pointers, sizes, len(values), error)
+        if self._entry(*launch):
             raise EmulatorError(f"{self.function}: {error.value.decode()}")
 
 

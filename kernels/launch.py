@@ -33,35 +33,48 @@ def launch(
     block: tuple[int, ...],
     args: tuple,
     device: torch.device,
+    shared_mem: int = 0,
 ) -> None:
-    """Runs `function` of csrc/<name>.cu, compiled with macros (DTYPE_* among them): on a CUDA device through
-    CuPy, on torch's current stream; on the CPU in the emulator."""
+    """Runs `function` of csrc/<name>.cu, compiled with macros (DTYPE_* among them), with shared_mem bytes of
+    dynamic shared memory: on a CUDA device through CuPy, on torch's current stream; on the CPU in the
+    emulator."""
     key = tuple(sorted(macros.items()))
     if device.type != "cuda":
-        emulated_kernel(name, function, key)(grid, block, args)
+        emulated_kernel(name, function, key)(grid, block, args, shared_mem)
         return
     import cupy
 
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), _external_stream(device.index, stream.cuda_stream):
-        load_kernel(name, function, key)(grid, block, args)
+        kernel = _with_shared(load_kernel(name, function, key), shared_mem)
+        kernel(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.cache
+def _with_shared(kernel: Any, shared_mem: int) -> Any:  # a cupy.RawKernel
+    """The kernel, allowed shared_mem bytes of dynamic shared memory: past 48 KiB, CUDA asks for it."""
+    if shared_mem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    return kernel
 
 
 def resident_blocks(
-    name: str, function: str, macros: dict[str, int], threads: int, device: torch.device
+    name: str, function: str, macros: dict[str, int], threads: int, device: torch.device, shared_mem: int = 0
 ) -> int:
     """How many blocks of this kernel the device holds at once, all its SMs together."""
     if device.type != "cuda":
         return EMULATED_RESIDENT_BLOCKS
-    return _occupancy(device.index, name, function, tuple(sorted(macros.items())), threads)
+    return _occupancy(device.index, name, function, tuple(sorted(macros.items())), threads, shared_mem)
 
 
 @functools.cache
-def _occupancy(index: int, name: str, function: str, key: tuple[tuple[str, int], ...], threads: int) -> int:
+def _occupancy(
+    index: int, name: str, function: str, key: tuple[tuple[str, int], ...], threads: int, shared_mem: int
+) -> int:
     import cupy
     from cupy_backends.cuda.api import driver
 
     with cupy.cuda.Device(index):
-        kernel = load_kernel(name, function, key)
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0)
+        kernel = _with_shared(load_kernel(name, function, key), shared_mem)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, shared_mem)
     return int(per_sm) * torch.cuda.get_device_properties(index).multi_processor_count

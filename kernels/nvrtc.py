@@ -23,6 +23,7 @@ CSRC = Path(__file__).parent / "csrc"
 KERNEL_FILES = (
     "kv_write",
     "paged_decode",
+    "paged_decode_mma",
     "paged_prefill",
     "paged_prefill_mma",
     "rms_norm",
@@ -37,7 +38,7 @@ class CompileError(RuntimeError):
 
 
 ATTENTION = ("paged_decode", "paged_prefill")
-TENSOR_CORE = ("paged_prefill_mma",)  # 16-bit types only
+TENSOR_CORE = ("paged_decode_mma", "paged_prefill_mma")  # 16-bit types only
 
 
 def source(name: str) -> str:

@@ -22,11 +22,13 @@ DECODE_WAVES = 2
 @dataclass(frozen=True)
 class Tuning:
     decode_warps: int
-    min_partition: (
-        int  # the fewest tokens of a sequence one decode block reduces; a PARTITION_QUANTUM multiple
-    )
+    # The fewest tokens of a sequence one decode block reduces, and the most (the tensor-core decode holds
+    # its partition's page ids in shared memory); multiples of PARTITION_QUANTUM.
+    min_partition: int
     prefill_warps: int
     row_threads: int  # threads per block of the row-wise kernels (KV write, norms, rotary, activation)
+    decode_stages: int = 3  # 16-key tiles each warp of the tensor-core decode has in flight, its own included
+    max_partition: int = 8192
 
 
 TUNINGS = {
@@ -48,15 +50,16 @@ class DecodeSplit:
 
 
 def decode_split(
-    seqs: int, kv_heads: int, max_len: int, resident_blocks: int, min_partition: int
+    seqs: int, kv_heads: int, max_len: int, resident_blocks: int, min_partition: int, max_partition: int
 ) -> DecodeSplit:
     """Cuts each sequence's context (up to max_len tokens) into partitions that separate blocks reduce, so
     that the grid fills the device: sequences x KV heads x partitions >= DECODE_WAVES x resident_blocks (the
     decode blocks all SMs hold at once). A batch that fills it alone is not split, and no partition is
-    shorter than min_partition tokens, below which merging the partitions costs more than it gains."""
+    shorter than min_partition tokens, below which merging the partitions costs more than it gains, nor
+    longer than max_partition."""
     wanted = -(-DECODE_WAVES * resident_blocks // max(1, seqs * kv_heads))
     most = max(1, max_len // min_partition)
-    partitions = max(1, min(wanted, most))
+    partitions = max(1, min(wanted, most), -(-max_len // max_partition))
     size = -(-max(1, max_len) // partitions)
     size = -(-size // PARTITION_QUANTUM) * PARTITION_QUANTUM
     return DecodeSplit(-(-max(1, max_len) // size), size)

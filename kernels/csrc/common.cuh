@@ -49,6 +49,18 @@ struct alignas(sizeof(scalar_t) * VEC) Pack {
 __device__ __forceinline__ Pack load_pack(const scalar_t* p) { return *reinterpret_cast<const Pack*>(p); }
 __device__ __forceinline__ void store_pack(scalar_t* p, const Pack& x) { *reinterpret_cast<Pack*>(p) = x; }
 
+// The block's dynamic shared memory (the launch's shared_mem bytes), as `char* name`, 16-byte aligned.
+#ifdef PAGEDSERVE_EMULATE
+#define DYNAMIC_SHARED(name) char* name = emu::dynamic_shared
+#else
+struct alignas(16) SharedBytes {
+  char bytes[16];
+};
+#define DYNAMIC_SHARED(name)                 \
+  extern __shared__ SharedBytes name##_[]; \
+  char* name = reinterpret_cast<char*>(name##_)
+#endif
+
 #define WARP_SIZE 32
 #define NEG_LARGE (-1e30f)  // a running max that exp() turns into 0 without inf - inf = NaN
 

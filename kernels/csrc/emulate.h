@@ -73,6 +73,9 @@ struct Block {
 
 inline Block* block = nullptr;
 inline dim3 block_idx, block_dim, grid_dim;
+inline char* dynamic_shared = nullptr;  // the launch's shared_mem bytes, then kGuardBytes of a known pattern
+constexpr std::size_t kGuardBytes = 4096;
+constexpr char kGuard = 0x5a;
 
 inline void yield() {
   if (_setjmp(block->current->resume) == 0) _longjmp(block->scheduler, 1);
@@ -228,8 +231,8 @@ void call(void (*kernel)(Params...), void** args, std::index_sequence<I...>) {
 }
 
 template <class... Params>
-std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, void** args, const int64_t* sizes,
-                   int count) {
+std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, std::size_t shared_bytes, void** args,
+                   const int64_t* sizes, int count) {
   constexpr int expected = sizeof...(Params);
   if (count != expected)
     return "the kernel takes " + std::to_string(expected) + " arguments, got " + std::to_string(count);
@@ -262,6 +265,8 @@ std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, void** ar
   pending_args = args;
   pending_kernel = kernel;
   b.body = [] { call(pending_kernel, pending_args, std::index_sequence_for<Params...>{}); };
+  std::vector<char> shared(shared_bytes + kGuardBytes + 128, kGuard);
+  dynamic_shared = shared.data() + (128 - reinterpret_cast<uintptr_t>(shared.data()) % 128);
   block = &b;
   block_dim = threads;
   grid_dim = grid;
@@ -271,6 +276,10 @@ std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, void** ar
         for (unsigned x = 0; x < grid.x; ++x) {
           block_idx = {x, y, z};
           run_block();
+          for (std::size_t i = 0; i < kGuardBytes; ++i)
+            if (dynamic_shared[shared_bytes + i] != kGuard)
+              throw std::runtime_error("a block wrote past its " + std::to_string(shared_bytes) +
+                                       " bytes of dynamic shared memory");
         }
   } catch (const std::exception& error) {
     block = nullptr;
@@ -285,9 +294,10 @@ std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, void** ar
 // One C entry point per kernel, for ctypes: returns 0, or 1 with the reason in `error` (a buffer of 512).
 #define EMULATE_ENTRY(function)                                                                          \
   extern "C" int emulate_##function(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,    \
-                                    unsigned bz, void** args, const int64_t* sizes, int count,           \
-                                    char* error) {                                                       \
-    const std::string message = emu::launch(function, {gx, gy, gz}, {bx, by, bz}, args, sizes, count); \
+                                    unsigned bz, int64_t shared_bytes, void** args, const int64_t* sizes, \
+                                    int count, char* error) {                                            \
+    const std::string message =                                                                          \
+        emu::launch(function, {gx, gy, gz}, {bx, by, bz}, shared_bytes, args, sizes, count);            \
     std::snprintf(error, 512, "%s", message.c_str());                                                   \
     return message.empty() ? 0 : 1;                                                                      \
   }

@@ -127,3 +127,35 @@ inline void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsign
 __device__ __forceinline__ unsigned pack_pair(float low, float high) {
   return (unsigned)from_float(low) | ((unsigned)from_float(high) << 16);
 }
+
+// One tile of the online softmax over a warp's 16 rows: s holds the tile's scores as C fragments, scaled to
+// log2 units and masked to NEG_LARGE. Finds each row's new maximum (the 4 lanes of a row agree through two
+// shuffles), turns s into exp2(s - max), adds it to this lane's part of each row's sum, and returns in
+// rescale what the output so far must be multiplied by.
+template <int N_TILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[N_TILES][4], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&rescale)[2]) {
+  float tile_max[2] = {NEG_LARGE, NEG_LARGE};
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tile_max[i / 2] = fmaxf(tile_max[i / 2], s[nt][i]);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
+    tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
+    const float new_max = fmaxf(row_max[half], tile_max[half]);
+    rescale[half] = exp2f(row_max[half] - new_max);
+    row_max[half] = new_max;
+    row_sum[half] *= rescale[half];
+  }
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      s[nt][i] = exp2f(s[nt][i] - row_max[i / 2]);
+      row_sum[i / 2] += s[nt][i];
+    }
+  }
+}

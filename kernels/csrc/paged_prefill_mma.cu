@@ -106,39 +106,21 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
       }
     }
 
-    // The online softmax, rescaled once per tile: this lane's maxima, then its row's (4 lanes share a row).
-    float tile_max[2] = {NEG_LARGE, NEG_LARGE};
+    // The online softmax, rescaled once per tile.
 #pragma unroll
     for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = n * BLOCK_N + nt * 8 + pair + i % 2;
         s[nt][i] = key <= limit[i / 2] ? s[nt][i] * scale_log2 : NEG_LARGE;
-        tile_max[i / 2] = fmaxf(tile_max[i / 2], s[nt][i]);
       }
     }
     float rescale[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
-      tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
-      const float new_max = fmaxf(row_max[half], tile_max[half]);
-      rescale[half] = exp2f(row_max[half] - new_max);
-      row_max[half] = new_max;
-      row_sum[half] *= rescale[half];
-    }
+    softmax_tile(s, row_max, row_sum, rescale);
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[dt][i] *= rescale[i / 2];
-    }
-#pragma unroll
-    for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        s[nt][i] = exp2f(s[nt][i] - row_max[i / 2]);
-        row_sum[i / 2] += s[nt][i];
-      }
     }
 
     // O += P V: P's C fragments are A fragments once packed (keys 16 kk..16 kk + 15 are n-tiles 2 kk, 2 kk + 1).

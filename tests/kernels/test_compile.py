@@ -18,6 +18,8 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy and nvid
 ARCHS = [f"sm_{cc}" for cc in sorted(TUNINGS)]
 ATTENTION = ("paged_decode", "paged_prefill")
 ROW_WISE = [name for name in KERNEL_FILES if name not in (*ATTENTION, *TENSOR_CORE)]
+# What the tensor-core decode takes beside the attention kernels' shape: the tuning's values.
+DECODE_MMA = {"STAGES": TUNINGS[90].decode_stages, "MAX_PARTITION": TUNINGS[90].max_partition}
 # Each attention kernel with the dtypes it is built for: the tensor-core ones take 16-bit types only.
 ATTENTION_DTYPES = [
     *((name, dtype) for name in ATTENTION for dtype in DTYPE_MACROS.values()),
@@ -72,6 +74,7 @@ def test_attention_kernels_compile(arch: str, kernel: tuple[str, str], head_dim:
         "PAGE_SIZE": page_size,
         "GROUP": 4,
         "NUM_WARPS": tuning.decode_warps,
+        **(DECODE_MMA if name == "paged_decode_mma" else {}),
     }
     cubin, _ = compile_cubin(name, arch, macros)
     assert cubin[:4] == b"\x7fELF"
@@ -85,7 +88,7 @@ def test_attention_kernels_do_not_spill(arch: str, name: str, group: int) -> Non
     when it serves a compile from its cache: a spill needs a stack frame, so frames of 0 bytes prove none.
     (Every function: the kernels, and ptxas's internal subroutines they call.)"""
     macros = {"DTYPE_BF16": 1, "HEAD_DIM": 128, "PAGE_SIZE": 16, "GROUP": group, "NUM_WARPS": 4}
-    cubin, _ = compile_cubin(name, arch, macros)
+    cubin, _ = compile_cubin(name, arch, {**macros, **(DECODE_MMA if name == "paged_decode_mma" else {})})
     functions = read_resources(cubin)
     assert name in functions and functions[name].kernel, sorted(functions)
     frames = {function: usage.frame_size for function, usage in functions.items()}

@@ -17,25 +17,31 @@ H200_SMS = 132
 @pytest.mark.parametrize("kv_heads", [1, 8])
 def test_one_long_sequence_is_spread_over_every_sm(kv_heads: int) -> None:
     """Batch 1 at 4096 tokens: one partition per 512 tokens ran 8 x kv_heads blocks on 132 SMs."""
-    split = decode_split(1, kv_heads, 4096, resident_blocks=4 * H200_SMS, min_partition=64)
+    split = decode_split(1, kv_heads, 4096, 4 * H200_SMS, 64, 8192)
     assert (split.partitions, split.partition_size) == (64, 64)  # as many as the minimum length allows
     assert kv_heads * split.partitions >= min(64 * kv_heads, H200_SMS)
 
 
 def test_a_large_batch_is_split_into_two_waves() -> None:
-    split = decode_split(64, 8, 4096, resident_blocks=4 * H200_SMS, min_partition=64)
+    split = decode_split(64, 8, 4096, 4 * H200_SMS, 64, 8192)
     assert 64 * 8 * split.partitions >= DECODE_WAVES * 4 * H200_SMS
     assert split.partitions == 3 and split.partition_size == 1376  # 4096 / 3, rounded up to whole pages
 
 
 def test_a_batch_that_fills_the_device_is_not_split() -> None:
-    split = decode_split(256, 8, 4096, resident_blocks=4 * H200_SMS, min_partition=64)
+    split = decode_split(256, 8, 4096, 4 * H200_SMS, 64, 8192)
     assert (split.partitions, split.partition_size) == (1, 4096)
+
+
+def test_no_partition_is_longer_than_the_maximum() -> None:
+    """A batch that fills the device, at 100k tokens: split all the same, into partitions of 8192 or less."""
+    split = decode_split(256, 8, 100_000, 4 * H200_SMS, 64, 8192)
+    assert split.partitions == 13 and split.partition_size <= 8192
 
 
 @pytest.mark.parametrize("max_len", [0, 1, 63, 64, 65, 200])
 def test_short_contexts_are_one_partition_until_twice_the_minimum(max_len: int) -> None:
-    split = decode_split(1, 1, max_len, resident_blocks=1000, min_partition=64)
+    split = decode_split(1, 1, max_len, 1000, 64, 8192)
     assert split.partitions == max(1, max_len // 64) and split.partitions * split.partition_size >= max_len
 
 
@@ -43,18 +49,18 @@ def test_every_split_covers_the_context_in_whole_quanta_with_no_empty_partition(
     for seqs, kv_heads, max_len, resident, minimum in itertools.product(
         (1, 3, 64, 500), (1, 2, 8), (1, 31, 32, 33, 1000, 4096, 131072), (8, 528, 4224), (32, 64, 256)
     ):
-        split = decode_split(seqs, kv_heads, max_len, resident, minimum)
+        split = decode_split(seqs, kv_heads, max_len, resident, minimum, 8192)
         case = (seqs, kv_heads, max_len, resident, minimum, split)
-        assert split.partition_size % PARTITION_QUANTUM == 0, case
+        assert split.partition_size % PARTITION_QUANTUM == 0 and split.partition_size <= 8192, case
         assert split.partitions * split.partition_size >= max_len, case
-        assert (split.partitions - 1) * split.partition_size < max(1, max_len), (
-            case
-        )  # the last one has tokens
+        last_has_tokens = (split.partitions - 1) * split.partition_size < max(1, max_len)
+        assert last_has_tokens, case
         if split.partitions > 1:
             assert split.partition_size >= minimum, case
-            assert seqs * kv_heads * (split.partitions - 1) < DECODE_WAVES * resident, (
-                case
-            )  # not more than needed
+            # No more partitions than needed: one fewer would fill the device only when the longest allowed
+            # partition forces them.
+            fewer_fill = seqs * kv_heads * (split.partitions - 1) >= DECODE_WAVES * resident
+            assert not fewer_fill or split.partitions == -(-max_len // 8192), case
 
 
 def test_prefill_tiles_cover_every_query_token_once_longest_first() -> None:
