@@ -150,7 +150,7 @@ def paged_decode(
     macros = {**shape.macros, "NUM_WARPS": tuning.decode_warps}
     threads, shared = tuning.decode_warps * 32, 0
     name = "paged_decode"
-    if "DTYPE_F32" not in macros:  # 16-bit types run on tensor cores
+    if _on_tensor_cores(q, kv_layer):
         name = "paged_decode_mma"
         macros |= {"STAGES": tuning.decode_stages, "MAX_PARTITION": tuning.max_partition}
         shared = _decode_mma_shared_bytes(head_dim, shape.macros["PAGE_SIZE"], tuning)
@@ -175,6 +175,11 @@ def paged_decode(
         heads = (seqs, q.shape[1])
         merge = {**shape.macros, "NUM_WARPS": tuning.decode_warps}  # paged_decode.cu's
         launch("paged_decode", "paged_decode_reduce", merge, heads, (head_dim,), reduce_args, q.device)
+
+
+def _on_tensor_cores(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """The tensor-core attention takes 16-bit types, and copies rows of q and the pool 16 bytes at a time."""
+    return q.element_size() == 2 and _pack([q, kv_layer], q.shape[-1]) > 1
 
 
 def _decode_mma_shared_bytes(head_dim: int, page_size: int, tuning: Tuning) -> int:
@@ -211,7 +216,7 @@ def paged_prefill(
     common = (np.int32(kv_heads), np.int32(meta.block_tables.shape[1]), np.int64(q.stride(0)),
               np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
     args: tuple
-    if "DTYPE_F32" in macros:  # no tensor cores for float32: a warp per query token and KV head
+    if not _on_tensor_cores(q, kv_layer):  # a warp per query token and KV head
         name = "paged_prefill"
         args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(meta.prefill_seq),
                 _ptr(meta.prefill_pos), np.int32(tokens), *common)  # fmt: skip

@@ -46,8 +46,18 @@ __device__ __forceinline__ unsigned short from_float(float f) { return float_to_
 struct alignas(sizeof(scalar_t) * VEC) Pack {
   scalar_t v[VEC];
 };
-__device__ __forceinline__ Pack load_pack(const scalar_t* p) { return *reinterpret_cast<const Pack*>(p); }
-__device__ __forceinline__ void store_pack(scalar_t* p, const Pack& x) { *reinterpret_cast<Pack*>(p) = x; }
+__device__ __forceinline__ Pack load_pack(const scalar_t* p) {
+#ifdef PAGEDSERVE_EMULATE
+  emu::require_aligned(p, sizeof(Pack), "a vector load");
+#endif
+  return *reinterpret_cast<const Pack*>(p);
+}
+__device__ __forceinline__ void store_pack(scalar_t* p, const Pack& x) {
+#ifdef PAGEDSERVE_EMULATE
+  emu::require_aligned(p, sizeof(Pack), "a vector store");
+#endif
+  *reinterpret_cast<Pack*>(p) = x;
+}
 
 // The block's dynamic shared memory (the launch's shared_mem bytes), as `char* name`, 16-byte aligned.
 #ifdef PAGEDSERVE_EMULATE

@@ -68,6 +68,7 @@ struct Block {
   std::vector<uint64_t> slots[2];  // a shuffle's values, double-buffered by the warp's generation
   Fiber* current = nullptr;
   jmp_buf scheduler;
+  std::string fault;  // the first thing a thread did that a GPU would refuse (see fault())
   void (*body)() = nullptr;
 };
 
@@ -128,9 +129,20 @@ inline void run_block() {
   for (const Barrier& w : b.warps)
     if (w.arrived) throw std::runtime_error("a warp's threads left the kernel with some waiting at a shuffle");
   if (b.all.arrived) throw std::runtime_error("threads left the kernel with some waiting at __syncthreads");
+  if (!b.fault.empty()) throw std::runtime_error(b.fault);
 }
 
 inline Fiber& self() { return *block->current; }
+
+// Records what a GPU would fault on (a misaligned access, say); the launch fails with it once the block ends.
+inline void fault(const std::string& what) {
+  if (block->fault.empty()) block->fault = what;
+}
+
+inline void require_aligned(const void* address, std::size_t alignment, const char* what) {
+  if (reinterpret_cast<uintptr_t>(address) % alignment != 0)
+    fault(std::string(what) + " at an address not aligned to " + std::to_string(alignment) + " bytes");
+}
 
 inline int lane() { return self().flat % kWarpSize; }
 

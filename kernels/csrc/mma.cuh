@@ -58,6 +58,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #else  // the emulator's: copies done at the wait, fragments exchanged among the warp's lanes
 
 inline void cp_async_16(void* shared, const void* global, bool valid) {
+  emu::require_aligned(shared, 16, "cp.async to shared memory");
+  if (valid) emu::require_aligned(global, 16, "cp.async from global memory");
   emu::self().uncommitted.push_back({shared, global, valid});
 }
 inline void cp_async_commit() {
@@ -85,6 +87,7 @@ inline unsigned short element_bits(const void* row, int column) {
 
 template <bool Transposed>
 void ldmatrix(unsigned (&r)[4], const void* row) {
+  emu::require_aligned(row, 16, "an ldmatrix row");
   uint64_t rows[emu::kWarpSize];
   emu::gather(reinterpret_cast<uint64_t>(row), rows);
   const int lane = emu::lane(), group = lane / 4, pair = 2 * (lane % 4);

@@ -125,6 +125,7 @@ def attention_case(
     group: int,
     dtype: torch.dtype,
     decode_max_len: int | None = None,
+    offset: int = 0,
 ) -> AttentionCase:
     gen = generator(seed)
     lengths = [*decode_lengths, *(cached + new for cached, new in prefills)]
@@ -141,7 +142,7 @@ def attention_case(
         rest = slots_of(chunk.pages, range(chunk.start, len(chunk.pages) * page_size), page_size)
         poisoned.view(2, -1, KV_HEADS, head_dim)[:, on_device(rest)] = NAN
     tokens = len(decodes) + sum(chunk.count for chunk in chunks)
-    fused = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype)
+    fused = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype, offset)
     meta = make_metadata(decodes, chunks, page_size, DEVICE, decode_max_len)
     return AttentionCase(clean, poisoned, fused, meta, head_dim**-0.5)
 

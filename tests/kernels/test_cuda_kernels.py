@@ -175,6 +175,16 @@ def test_attention_of_other_groups_and_a_long_prompt(
     assert_close(actual, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_attention_of_queries_off_16_bytes(backend: CupyBackend, dtype: torch.dtype) -> None:
+    """q one element past 16 bytes: the tensor-core kernels, which copy 16 bytes at a time, step aside."""
+    case = attention_case(10, [1, 77, 300], [(0, 70), (45, 9)], 16, 128, 4, dtype, offset=1)
+
+    actual, expected = run_attention(case, backend)
+
+    assert_close(actual, expected, dtype)
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-partition", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_attention_wrappers_write_every_output_element(

@@ -10,13 +10,14 @@ On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from kernels import cuda_ops
+from kernels import AttentionMetadata, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from kernels.tuning import Tuning
 from services.worker.models.llama import rotary_table
@@ -39,7 +40,7 @@ from tests.kernels.cases import (
     randn,
     same_bits,
 )
-from tests.kernels.steps import llama_spec
+from tests.kernels.steps import Chunk, llama_spec, make_metadata
 
 pytestmark = pytest.mark.cuda_kernels  # on a GPU, else in the emulator on the CPU: tests/devices.py
 
@@ -131,6 +132,12 @@ def index(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
 
 POOL = (2, 4, 16, 2, 64)  # a valid kv_layer: [2, P, B, Hkv, D]
 
+
+def prefill_meta(**changes: torch.Tensor) -> AttentionMetadata:
+    """A valid step of one prefill chunk of 3 tokens on page 1, but for `changes`."""
+    return dataclasses.replace(make_metadata([], [Chunk((1,), 0, 3)], 16, DEVICE), **changes)
+
+
 # Each call is valid but for the one thing its name says, and must raise ValueError before any launch.
 BAD_CALLS: dict[str, Callable[[Tuning], object]] = {
     "kv_write-k-in-another-dtype": lambda t: cuda_ops.kv_write(
@@ -171,9 +178,7 @@ BAD_CALLS: dict[str, Callable[[Tuning], object]] = {
         zeros(3, 4, 64),
         zeros(3, 4, 64),
         zeros(*POOL),
-        index(1, 3),
-        index(3),
-        index(3, dtype=torch.int32),
+        prefill_meta(prefill_pos=index(3, dtype=torch.int32)),
         0.1,
         t,
     ),
