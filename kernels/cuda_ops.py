@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from kernels.backend import AttentionMetadata, PageSize
-from kernels.launch import launch, resident_blocks
+from kernels.launch import launch, max_shared_bytes, resident_blocks
 from kernels.nvrtc import DTYPE_MACROS
-from kernels.tuning import Tuning, decode_split, prefill_tiles
+from kernels.tuning import Tuning, decode_mma_shared_bytes, decode_mma_stages, decode_split, prefill_tiles
 
 PAGE_SIZES = get_args(PageSize)
 HEAD_DIMS = (64, 128)
@@ -150,10 +150,11 @@ def paged_decode(
     macros = {**shape.macros, "NUM_WARPS": tuning.decode_warps}
     threads, shared = tuning.decode_warps * 32, 0
     name = "paged_decode"
-    if _on_tensor_cores(q, kv_layer):
+    stages = decode_mma_stages(head_dim, shape.macros["PAGE_SIZE"], tuning, max_shared_bytes(q.device))
+    if stages and _on_tensor_cores(out, q, kv_layer):
         name = "paged_decode_mma"
-        macros |= {"STAGES": tuning.decode_stages, "MAX_PARTITION": tuning.max_partition}
-        shared = _decode_mma_shared_bytes(head_dim, shape.macros["PAGE_SIZE"], tuning)
+        macros |= {"STAGES": stages, "MAX_PARTITION": tuning.max_partition}
+        shared = decode_mma_shared_bytes(head_dim, shape.macros["PAGE_SIZE"], tuning, stages)
     resident = resident_blocks(name, name, macros, threads, q.device, shared)
     split = decode_split(seqs, kv_heads, max_seq_len, resident, tuning.min_partition, tuning.max_partition)
     partitions = split.partitions
@@ -177,16 +178,9 @@ def paged_decode(
         launch("paged_decode", "paged_decode_reduce", merge, heads, (head_dim,), reduce_args, q.device)
 
 
-def _on_tensor_cores(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+def _on_tensor_cores(out: torch.Tensor, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """The tensor-core attention takes 16-bit types, and copies rows of q and the pool 16 bytes at a time."""
-    return q.element_size() == 2 and _pack([q, kv_layer], q.shape[-1]) > 1
-
-
-def _decode_mma_shared_bytes(head_dim: int, page_size: int, tuning: Tuning) -> int:
-    """paged_decode_mma.cu's SHARED_BYTES: each warp's pipeline of 16-key K and V tiles, the query rows, and
-    the partition's page ids (4 bytes each)."""
-    pipeline = tuning.decode_warps * tuning.decode_stages * 2 * 16 * head_dim * 2
-    return pipeline + 16 * head_dim * 2 + tuning.max_partition // page_size * 4
+    return q.element_size() == 2 and _pack([out, q, kv_layer], q.shape[-1]) > 1
 
 
 def paged_prefill(
@@ -216,7 +210,7 @@ def paged_prefill(
     common = (np.int32(kv_heads), np.int32(meta.block_tables.shape[1]), np.int64(q.stride(0)),
               np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
     args: tuple
-    if not _on_tensor_cores(q, kv_layer):  # a warp per query token and KV head
+    if not _on_tensor_cores(out, q, kv_layer):  # a warp per query token and KV head
         name = "paged_prefill"
         args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(meta.prefill_seq),
                 _ptr(meta.prefill_pos), np.int32(tokens), *common)  # fmt: skip

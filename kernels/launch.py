@@ -16,6 +16,8 @@ from kernels.nvrtc import load_kernel
 # The emulator's stand-in for a device's resident decode blocks: 4 SMs of 2 blocks each, few, so that tests
 # with a handful of sequences meet both a split context and a batch that fills the device alone.
 EMULATED_RESIDENT_BLOCKS = 8
+# ... and for the dynamic shared memory a block may opt into: a Hopper's (227 KiB).
+EMULATED_MAX_SHARED = 227 * 1024
 
 
 @functools.cache
@@ -46,16 +48,31 @@ def launch(
 
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), _external_stream(device.index, stream.cuda_stream):
-        kernel = _with_shared(load_kernel(name, function, key), shared_mem)
+        kernel = _with_shared(load_kernel(name, function, key), shared_mem, device.index)
         kernel(grid, block, args, shared_mem=shared_mem)
 
 
 @functools.cache
-def _with_shared(kernel: Any, shared_mem: int) -> Any:  # a cupy.RawKernel
-    """The kernel, allowed shared_mem bytes of dynamic shared memory: past 48 KiB, CUDA asks for it."""
+def _with_shared(kernel: Any, shared_mem: int, index: int) -> Any:  # a cupy.RawKernel
+    """The kernel, allowed shared_mem bytes of dynamic shared memory on device index (the current one): past
+    48 KiB, CUDA asks for it, device by device."""
     if shared_mem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     return kernel
+
+
+def max_shared_bytes(device: torch.device) -> int:
+    """The most dynamic shared memory one block may have on this device (CUDA's opt-in limit)."""
+    if device.type != "cuda":
+        return EMULATED_MAX_SHARED
+    return _max_shared(device.index)
+
+
+@functools.cache
+def _max_shared(index: int) -> int:
+    from cupy_backends.cuda.api import runtime
+
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, index))
 
 
 def resident_blocks(
@@ -75,6 +92,6 @@ def _occupancy(
     from cupy_backends.cuda.api import driver
 
     with cupy.cuda.Device(index):
-        kernel = _with_shared(load_kernel(name, function, key), shared_mem)
+        kernel = _with_shared(load_kernel(name, function, key), shared_mem, index)
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, shared_mem)
     return int(per_sm) * torch.cuda.get_device_properties(index).multi_processor_count

@@ -95,18 +95,26 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(_nvrtc().getVersion())
 
 
-def device_arch() -> str:
+@functools.cache
+def _arch(device: int) -> str:
     import cupy
 
-    return f"sm_{cupy.cuda.Device().compute_capability}"
+    return f"sm_{cupy.cuda.Device(device).compute_capability}"
 
 
-@functools.cache
 def load_kernel(name: str, function: str, macros: tuple[tuple[str, object], ...]) -> cupy.RawKernel:
     """The kernel `function` of csrc/<name>.cu, built for the current device with the given macros."""
     import cupy
 
-    arch = device_arch()
+    return _load_kernel(name, function, macros, _arch(cupy.cuda.runtime.getDevice()))
+
+
+@functools.cache
+def _load_kernel(
+    name: str, function: str, macros: tuple[tuple[str, object], ...], arch: str
+) -> cupy.RawKernel:
+    import cupy
+
     version = ".".join(map(str, nvrtc_version()))
     key = hashlib.sha256(f"{source(name)}|{macros}|{arch}|{version}".encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"{name}-{arch}-{key}.cubin"

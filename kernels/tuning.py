@@ -33,6 +33,8 @@ class Tuning:
 
 TUNINGS = {
     80: Tuning(decode_warps=4, min_partition=64, prefill_warps=4, row_threads=256),
+    # sm_86 and sm_89 let a block have 99 KiB of shared memory, not 163 or 227: two stages of 16 keys.
+    86: Tuning(decode_warps=4, min_partition=64, prefill_warps=4, row_threads=256, decode_stages=2),
     90: Tuning(decode_warps=4, min_partition=64, prefill_warps=4, row_threads=256),
 }
 
@@ -63,6 +65,24 @@ def decode_split(
     size = -(-max(1, max_len) // partitions)
     size = -(-size // PARTITION_QUANTUM) * PARTITION_QUANTUM
     return DecodeSplit(-(-max(1, max_len) // size), size)
+
+
+def decode_mma_shared_bytes(head_dim: int, page_size: int, tuning: Tuning, stages: int) -> int:
+    """paged_decode_mma.cu's SHARED_BYTES: each warp's pipeline of 16-key K and V tiles, the query rows, and
+    the partition's page ids (4 bytes each)."""
+    pipeline = tuning.decode_warps * stages * 2 * 16 * head_dim * 2
+    return pipeline + 16 * head_dim * 2 + tuning.max_partition // page_size * 4
+
+
+def decode_mma_stages(head_dim: int, page_size: int, tuning: Tuning, limit: int) -> int:
+    """The deepest pipeline, up to the tuning's, whose shared memory a block of this device may have; 0 when
+    not even two stages fit (the warp-per-row kernel then takes the decode)."""
+    fits = [
+        stages
+        for stages in range(2, tuning.decode_stages + 1)
+        if decode_mma_shared_bytes(head_dim, page_size, tuning, stages) <= limit
+    ]
+    return max(fits, default=0)
 
 
 def prefill_tiles(meta: AttentionMetadata, tile_tokens: int) -> list[tuple[int, int, int, int]]:

@@ -126,6 +126,14 @@ inline void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsign
 
 #endif  // PAGEDSERVE_EMULATE
 
+// Stores two elements (a packed register) at p, which must be 4-byte aligned.
+__device__ __forceinline__ void store_pair(scalar_t* p, unsigned packed) {
+#ifdef PAGEDSERVE_EMULATE
+  emu::require_aligned(p, 4, "a 4-byte store");
+#endif
+  *reinterpret_cast<unsigned*>(p) = packed;
+}
+
 // Two floats as the element type, low half first, as an A or B fragment register holds them.
 __device__ __forceinline__ unsigned pack_pair(float low, float high) {
   return (unsigned)from_float(low) | ((unsigned)from_float(high) << 16);

@@ -12,7 +12,9 @@
 // grid: (S, Hkv, partitions); block: NUM_WARPS * 32.
 
 #define KEYS 16  // a tile: the k of the P V product
-#define STAGES 3
+#ifndef STAGES
+#error "define STAGES, the tiles in flight per warp (Tuning.decode_stages)"
+#endif
 #define CHUNKS (HEAD_DIM / 8)  // 16-byte chunks of a row
 #define MAX_PAGES (MAX_PARTITION / PAGE_SIZE)
 
@@ -45,6 +47,8 @@ extern "C" __global__ void paged_decode_mma(scalar_t* __restrict__ out, float* _
                                             const long long* __restrict__ block_tables,
                                             const long long* __restrict__ seq_lens, int num_kv_heads, int max_pages,
                                             long long q_stride, long long v_offset, float scale, int partition_size) {
+  static_assert(STAGES >= 2, "a pipeline needs a tile in flight beside the one in use");
+  static_assert(NUM_WARPS * GROUP * (HEAD_DIM + 2) * 4 <= PIPELINE_BYTES, "the warps merge in the pipeline's space");
   DYNAMIC_SHARED(shared);
   scalar_t* pipeline = reinterpret_cast<scalar_t*>(shared);
   scalar_t* q_tile = reinterpret_cast<scalar_t*>(shared + Q_OFFSET);

@@ -150,8 +150,7 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
     scalar_t* out_row = out + ((q_first + t) * num_kv_heads * GROUP + kv_head * GROUP + g) * HEAD_DIM;
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-      const unsigned packed = pack_pair(o[dt][2 * half] / row_sum[half], o[dt][2 * half + 1] / row_sum[half]);
-      *reinterpret_cast<unsigned*>(out_row + dt * 8 + pair) = packed;
+      store_pair(out_row + dt * 8 + pair, pack_pair(o[dt][2 * half] / row_sum[half], o[dt][2 * half + 1] / row_sum[half]));
     }
   }
 }

@@ -8,7 +8,14 @@ import itertools
 
 import pytest
 
-from kernels.tuning import DECODE_WAVES, PARTITION_QUANTUM, decode_split, prefill_tiles
+from kernels.tuning import (
+    DECODE_WAVES,
+    PARTITION_QUANTUM,
+    TUNINGS,
+    decode_mma_stages,
+    decode_split,
+    prefill_tiles,
+)
 from tests.kernels.steps import Chunk, make_metadata
 
 H200_SMS = 132
@@ -71,3 +78,15 @@ def test_prefill_tiles_cover_every_query_token_once_longest_first() -> None:
     assert tiles == [(2, 128, 22, 168), (2, 64, 64, 104), (2, 0, 64, 40), (3, 150, 5, 0)]
     covered = sorted(first + i for _, first, tokens, _ in tiles for i in range(tokens))
     assert covered == list(range(155))
+
+
+@pytest.mark.parametrize(
+    ("limit", "stages"),
+    [(227 * 1024, 3), (163 * 1024, 3), (99 * 1024, 2), (60 * 1024, 0)],
+    ids=["sm_90", "sm_80", "sm_86", "too-little"],
+)
+def test_the_tensor_core_decode_pipeline_fits_the_shared_memory_a_block_may_have(
+    limit: int, stages: int
+) -> None:
+    """Head dim 128, pages of 16: three stages need 104,448 bytes, two 71,680; neither: no tensor cores."""
+    assert decode_mma_stages(128, 16, TUNINGS[90], limit) == stages
