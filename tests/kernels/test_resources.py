@@ -73,7 +73,12 @@ def variants() -> list[Variant]:
     for arch, name, group in itertools.product(("sm_80", "sm_90"), ATTENTION, (1, 16)):
         macros = {"DTYPE_BF16": 1, "HEAD_DIM": 128, "PAGE_SIZE": 16, "GROUP": group, "NUM_WARPS": 4}
         found.append(Variant(f"{name}-{arch}-group{group}", source(name), arch, macros))
-    found.append(Variant("rms_norm-sm_90", source("rms_norm"), "sm_90", {"DTYPE_F16": 1}))
+    tensor_cores = {"paged_decode_mma": {"STAGES": 3, "MAX_PARTITION": 8192}, "paged_prefill_mma": {}}
+    for name, extra in tensor_cores.items():
+        macros = {"DTYPE_BF16": 1, "HEAD_DIM": 128, "PAGE_SIZE": 16, "GROUP": 8, "NUM_WARPS": 4, **extra}
+        found.append(Variant(f"{name}-sm_90-group8", source(name), "sm_90", macros))
+    rms_norm = {"DTYPE_F16": 1, "VEC": 8, "ITEMS": 2}
+    found.append(Variant("rms_norm-sm_90", source("rms_norm"), "sm_90", rms_norm))
     found.append(Variant("probe-sm_90", PROBE, "sm_90", {}, (f"--maxrregcount={PROBE_CAP}",)))
     return found
 
