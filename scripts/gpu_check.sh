@@ -3,10 +3,11 @@
 #   1. the CUDA kernels against the torch reference, CUDA IPC between processes, and greedy parity with
 #      transformers through `pagedserve up --device cuda` (the test_cuda_* files of tests/kernels, tests/gpu);
 #   2. each kernel's time against the bytes it moves and a device copy, paged decode against torch-native
-#      paged attention, and end-to-end tokens/s (scripts/bench_kernels.py).
+#      paged attention, and end-to-end tokens/s (scripts/bench_kernels.py);
+#   3. where a decode step's time goes, phase by phase (scripts/bench_step.py).
 # It runs from the source tree with no install step. Python packages the machine lacks travel as wheels in
 # .whl/ (scripts/gpu_wheels.sh fetches them here; name .whl in the run's carry). Logs go to $OUT.
-# Budget: under 8 minutes. The short table comes last.
+# Budget: under 10 minutes. The short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,10 +28,15 @@ timeout 330 $PY -m pytest -q -p no:cacheprovider -o addopts= tests/kernels/test_
 tests_status=${PIPESTATUS[0]}
 timeout 240 $PY scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 bench_status=${PIPESTATUS[0]}
+timeout 120 $PY scripts/bench_step.py 2>&1 | tee "$OUT/step.log"
+step_status=${PIPESTATUS[0]}
 
 echo
 echo "== gpu_check: $(head -1 "$OUT/gpu.txt")"
 echo "tests: $(tail -1 "$OUT/tests.log") (exit $tests_status)"
 sed -n '/device copy/,$p' "$OUT/bench.log"
 echo "bench exit $bench_status"
-[ "$tests_status" = 0 ] && [ "$bench_status" = 0 ]
+echo "decode step (scripts/bench_step.py):"
+sed -n '/decodes a step/,$p' "$OUT/step.log"
+echo "step exit $step_status"
+[ "$tests_status" = 0 ] && [ "$bench_status" = 0 ] && [ "$step_status" = 0 ]
