@@ -4,7 +4,10 @@
 #      transformers through `pagedserve up --device cuda` (the test_cuda_* files of tests/kernels, tests/gpu);
 #   2. each kernel's time against the bytes it moves and a device copy, paged decode against torch-native
 #      paged attention, and end-to-end tokens/s (scripts/bench_kernels.py);
-#   3. where a decode step's time goes, phase by phase (scripts/bench_step.py).
+#   3. where a decode step's time goes, phase by phase (scripts/bench_step.py);
+#   4. with GPU_CHECK_E2E=1 only (several minutes more): an 8B-shaped Llama through `pagedserve up` against
+#      transformers' generate, and batch 1's inter-token latency against the weight-read floor
+#      (scripts/bench_e2e.py).
 # It runs from the source tree with no install step. Python packages the machine lacks travel as wheels in
 # .whl/ (scripts/gpu_wheels.sh fetches them here; name .whl in the run's carry). Logs go to $OUT.
 # Budget: under 10 minutes. The short table comes last.
@@ -30,6 +33,11 @@ timeout 240 $PY scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$O
 bench_status=${PIPESTATUS[0]}
 timeout 120 $PY scripts/bench_step.py 2>&1 | tee "$OUT/step.log"
 step_status=${PIPESTATUS[0]}
+e2e_status=0
+if [ -n "${GPU_CHECK_E2E:-}" ]; then  # minutes of its own: an 8B-shaped model made, loaded twice
+    timeout 600 $PY scripts/bench_e2e.py 2>&1 | tee "$OUT/e2e.log"
+    e2e_status=${PIPESTATUS[0]}
+fi
 
 echo
 echo "== gpu_check: $(head -1 "$OUT/gpu.txt")"
@@ -39,4 +47,8 @@ echo "bench exit $bench_status"
 echo "decode step (scripts/bench_step.py):"
 sed -n '/decodes a step/,$p' "$OUT/step.log"
 echo "step exit $step_status"
-[ "$tests_status" = 0 ] && [ "$bench_status" = 0 ] && [ "$step_status" = 0 ]
+if [ -n "${GPU_CHECK_E2E:-}" ]; then
+    sed -n '/GB of weights/,$p' "$OUT/e2e.log"
+    echo "e2e exit $e2e_status"
+fi
+[ "$tests_status" = 0 ] && [ "$bench_status" = 0 ] && [ "$step_status" = 0 ] && [ "$e2e_status" = 0 ]

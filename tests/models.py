@@ -56,8 +56,10 @@ FAMILIES: dict[str, PretrainedConfig] = {
 }
 
 
-def make_model(family: str, folder: Path, seed: int = 0, **overrides: object) -> Path:
-    """Save a random model of the family, and a tokenizer for it, into folder.
+def make_model(
+    family: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object
+) -> Path:
+    """Save a random model of the family, in dtype, and a tokenizer for it, into folder.
 
     overrides change the family's config (e.g. hidden_size, num_attention_heads for a head dim of 64).
     """
@@ -72,7 +74,7 @@ def make_model(family: str, folder: Path, seed: int = 0, **overrides: object) ->
                 param.normal_(0.0, 0.5)
             else:
                 param.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     make_tokenizer(folder, config.vocab_size)
     return folder
 
