@@ -16,7 +16,13 @@ import torch
 from kernels.backend import AttentionMetadata, PageSize
 from kernels.launch import launch, max_shared_bytes, resident_blocks
 from kernels.nvrtc import DTYPE_MACROS
-from kernels.tuning import Tuning, decode_mma_shared_bytes, decode_mma_stages, decode_split, prefill_tiles
+from kernels.tuning import (
+    Tuning,
+    decode_mma_shared_bytes,
+    decode_mma_stages,
+    decode_split,
+    step_prefill_tiles,
+)
 
 PAGE_SIZES = get_args(PageSize)
 HEAD_DIMS = (64, 128)
@@ -148,8 +154,7 @@ def paged_decode(
     if seqs == 0:
         return
     macros = {**shape.macros, "NUM_WARPS": tuning.decode_warps}
-    threads, shared = tuning.decode_warps * 32, 0
-    name = "paged_decode"
+    name, threads, shared = "paged_decode", tuning.decode_warps * 32, 0
     stages = decode_mma_stages(head_dim, shape.macros["PAGE_SIZE"], tuning, max_shared_bytes(q.device))
     if stages and _on_tensor_cores(out, q, kv_layer):
         name = "paged_decode_mma"
@@ -160,11 +165,9 @@ def paged_decode(
     partitions = split.partitions
     partial_out = partial_max = partial_sum = None
     if partitions > 1:
-        partial_out = torch.empty(
-            seqs, kv_heads, partitions, group, head_dim, dtype=torch.float32, device=q.device
-        )
         partial_max = torch.empty(seqs, kv_heads, partitions, group, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
+        partial_out = partial_max.new_empty(*partial_max.shape, head_dim)
     args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(q), _ptr(kv_layer),
             _ptr(block_tables), _ptr(seq_lens), np.int32(kv_heads), np.int32(block_tables.shape[1]),
             np.int64(q.stride(0)), np.int64(shape.v_offset), np.float32(scale),
@@ -217,8 +220,7 @@ def paged_prefill(
         grid: tuple[int, ...] = (-(-tokens * kv_heads // warps),)
     else:
         name = "paged_prefill_mma"
-        tiles = torch.tensor(prefill_tiles(meta, 16 * warps // shape.macros["GROUP"]), dtype=torch.int64)
-        tiles = tiles.to(q.device, non_blocking=True)
+        tiles = step_prefill_tiles(meta, 16 * warps // shape.macros["GROUP"], q.device)
         args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(tiles), *common)
         grid = (tiles.shape[0], kv_heads)
     launch(name, name, macros, grid, (warps * 32,), args, q.device)

@@ -47,6 +47,7 @@ def source(name: str) -> str:
         "common.cuh",
         *(["attention.cuh"] if name in ATTENTION else []),
         *(["mma.cuh"] if name in TENSOR_CORE else []),
+        *(["decode.cuh"] if name in ("paged_decode", "paged_decode_mma") else []),
     ]
     return "\n".join((CSRC / file).read_text() for file in [*headers, f"{name}.cu"])
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kernels.backend import AttentionMetadata
 
 # Partition lengths are multiples of this, which every page size divides, so a partition is whole pages.
@@ -97,3 +99,17 @@ def prefill_tiles(meta: AttentionMetadata, tile_tokens: int) -> list[tuple[int, 
         for first in range(0, end - start, tile_tokens):
             tiles.append((seq, start - base + first, min(tile_tokens, end - start - first), cached + first))
     return sorted(tiles, key=lambda tile: -(tile[2] + tile[3]))
+
+
+# The last step's prefill tiles: every layer of a step passes the same metadata, so they are built and
+# uploaded once a step. The entry holds the metadata itself, so no other can take its identity meanwhile.
+_last_tiles: list[tuple[AttentionMetadata, int, torch.Tensor]] = []
+
+
+def step_prefill_tiles(meta: AttentionMetadata, tile_tokens: int, device: torch.device) -> torch.Tensor:
+    """prefill_tiles(meta, tile_tokens) as an int64 tensor on device, built once for a step's metadata."""
+    if _last_tiles and _last_tiles[0][0] is meta and _last_tiles[0][1] == tile_tokens:
+        return _last_tiles[0][2]
+    tiles = torch.tensor(prefill_tiles(meta, tile_tokens), dtype=torch.int64).to(device, non_blocking=True)
+    _last_tiles[:] = [(meta, tile_tokens, tiles)]
+    return tiles

@@ -186,20 +186,11 @@ template <class T>
 T __shfl_xor_sync(unsigned, T value, int mask) {
   return emu::exchange(value, [mask](int lane) { return lane ^ mask; });
 }
-template <class T>
-T __shfl_sync(unsigned, T value, int source) {
-  return emu::exchange(value, [source](int) { return source; });
-}
-template <class T>
-T __shfl_down_sync(unsigned, T value, int delta) {
-  return emu::exchange(value, [delta](int lane) { return lane + delta; });
-}
 
 // CUDA's math and bit intrinsics, as the host computes them.
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
-inline float __frcp_rn(float x) { return 1.f / x; }
 inline float __uint_as_float(unsigned x) {
   float f;
   std::memcpy(&f, &x, 4);

@@ -21,19 +21,11 @@ extern "C" __global__ void paged_decode(scalar_t* __restrict__ out, float* __res
   __shared__ float warp_sum_[NUM_WARPS][GROUP];
   __shared__ float warp_acc[NUM_WARPS][GROUP][HEAD_DIM];
 
-  const int seq = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z, partitions = gridDim.z;
+  DecodePartition p;
+  if (!decode_partition(p, seq_lens, num_kv_heads, partition_size, partial_max, partial_sum)) return;
+  const int seq = p.seq, kv_head = p.kv_head, start = p.start, end = p.end, partitions = gridDim.z;
+  const long long partial = p.partial;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  const int len = (int)seq_lens[seq];
-  const int start = part * partition_size;
-  const long long partial = ((long long)(seq * num_kv_heads + kv_head) * partitions + part) * GROUP;
-  if (start >= len) {  // past this sequence's end: an empty partition the reduction will ignore
-    if (threadIdx.x < GROUP) {
-      partial_max[partial + threadIdx.x] = NEG_LARGE;
-      partial_sum[partial + threadIdx.x] = 0.f;
-    }
-    return;
-  }
-  const int end = min(start + partition_size, len);
 
   GroupAttention state;
   state.start(q + seq * q_stride + kv_head * GROUP * HEAD_DIM, scale, lane);
