@@ -4,7 +4,8 @@
 #      transformers through `pagedserve up --device cuda` (the test_cuda_* files of tests/kernels, tests/gpu);
 #   2. each kernel's time against the bytes it moves and a device copy, paged decode against torch-native
 #      paged attention, and end-to-end tokens/s (scripts/bench_kernels.py);
-#   3. where a decode step's time goes, phase by phase (scripts/bench_step.py);
+#   3. where a decode step's time goes, phase by phase, steps one by one and with async scheduling
+#      (scripts/bench_step.py);
 #   4. with GPU_CHECK_E2E=1 only (several minutes more): an 8B-shaped Llama through `pagedserve up` against
 #      transformers' generate, and batch 1's inter-token latency against the weight-read floor
 #      (scripts/bench_e2e.py).

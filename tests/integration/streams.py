@@ -12,6 +12,7 @@ from pathlib import Path
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.client import generate_request
 from tests.clients import internal_channel
 from tests.procs import REPO, Stack
 from tests.waiting import wait_until
@@ -42,6 +43,19 @@ def wait_for_idle_worker(stack: Stack, timeout_s: float = 10.0) -> None:
         timeout_s,
         lambda: f"the worker to let go of every request and page; it still holds {worker_load(stack)}",
     )
+
+
+def cancel_mid_stream(stack: Stack, stub: generation_pb2_grpc.GenerationStub, messages: int = 3) -> None:
+    """Cancel a long greedy stream after a few messages, and check that the worker lets go of every page."""
+    request = generate_request(
+        messages=user("Count to one thousand."), max_tokens=2000, ignore_eos=True, temperature=0.0
+    )
+    call = stub.Generate(request)
+    for _ in range(messages):
+        next(call)
+    assert worker_load(stack).kv_pages_in_use > 0
+    call.cancel()
+    wait_for_idle_worker(stack)
 
 
 def frontend_cpu_seconds(stack: Stack) -> float:

@@ -16,6 +16,7 @@ from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
 from tests.integration.streams import (
+    cancel_mid_stream,
     frontend_cpu_seconds,
     grpcurl,
     joined,
@@ -23,7 +24,6 @@ from tests.integration.streams import (
     stream,
     user,
     wait_for_idle_worker,
-    worker_load,
 )
 from tests.procs import Stack, module_stack
 
@@ -111,15 +111,7 @@ def test_sixty_four_concurrent_streams(stub: generation_pb2_grpc.GenerationStub)
 def test_cancelling_mid_stream_returns_the_pages(
     stack: Stack, stub: generation_pb2_grpc.GenerationStub
 ) -> None:
-    request = generate_request(
-        messages=user("Count to one thousand."), max_tokens=2000, ignore_eos=True, **GREEDY
-    )
-    call = stub.Generate(request)
-    for _ in range(3):
-        next(call)
-    assert worker_load(stack).kv_pages_in_use > 0
-    call.cancel()
-    wait_for_idle_worker(stack)
+    cancel_mid_stream(stack, stub)
 
 
 def test_a_passed_deadline_aborts_the_request(stack: Stack, stub: generation_pb2_grpc.GenerationStub) -> None:

@@ -14,14 +14,19 @@ import pytest
 import torch
 
 from kernels.cupy_backend import CupyBackend
+from memory_daemon.shape import PoolShape
 from services.common.sampling import SamplingOptions
 from services.worker.core.batch import build_batch
 from services.worker.core.cuda_graphs import DecodeGraphs
-from services.worker.core.scheduler import ScheduledSeq
+from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.model_runner import StepInFlight
+from services.worker.core.plan import ScheduledSeq
 from services.worker.core.sequence import Sequence
+from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM
 from tests.kernels.cases import DEVICE, assert_close, dtype_name, generator, randn, random_tables
 from tests.models import make_model
+from tests.pages import assert_pages_back
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA device and CuPy: tests/conftest.py
 
@@ -92,3 +97,50 @@ def test_decode_graphs_replay_the_eager_forward(
     assert torch.equal(storage[:guard], storage_before[:guard]), (
         "a padding row (slot -1) wrote before the pool"
     )
+
+
+# A lean step ----------------------------------------------------------------------------------------------
+
+
+def test_an_async_decode_step_launches_with_no_host_sync(backend: CupyBackend, graph_model_dir: Path) -> None:
+    """Building a decode batch on the step in flight's tokens, the graph's replay and the draw never wait for
+    the device; the tokens are those of steps run one by one."""
+    model = CausalLM.from_pretrained(graph_model_dir, dtype=torch.bfloat16, device=DEVICE, backend=backend)
+    spec = model.spec
+    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16)
+    options = SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    gen = generator(12)
+    prompts = [torch.randint(3, spec.vocab_size, (n,), generator=gen).tolist() for n in (5, 40, 130)]
+    runs = {}
+    for scheduling in ("off", "on"):
+        kv = LocalKVCache(shape, 64, device=DEVICE)
+        graphs = DecodeGraphs(model, kv.kv, max_batch=4, page_size=16)
+        graphs.capture()
+        engine = EngineCore(model, kv, EngineConfig(max_num_seqs=4, async_scheduling=scheduling), graphs)
+        checked = no_sync_on_decodes_ahead(engine)
+        for key, prompt in enumerate(prompts):
+            engine.add(engine.new_sequence(key, prompt, options))
+        outputs = engine.run_until_done()
+        runs[scheduling] = sorted((o.key, o.token_ids, [lp.token_id for lp in o.logprobs]) for o in outputs)
+        assert_pages_back(kv)
+        assert (len(checked) > 10) == (scheduling == "on"), checked
+    assert runs["on"] == runs["off"]
+
+
+def no_sync_on_decodes_ahead(engine: EngineCore) -> list[int]:
+    """Make the engine's launches of decode batches on a step in flight raise on any host sync; returns the
+    list of their sizes, which grows as they run."""
+    launch, checked = engine.runner.launch, []
+
+    def strict(items: list[ScheduledSeq], previous: StepInFlight | None = None) -> StepInFlight:
+        if previous is None or any(item.count != 1 for item in items):
+            return launch(items, previous)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(items, previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(items))
+
+    engine.runner.launch = strict  # type: ignore[method-assign]
+    return checked

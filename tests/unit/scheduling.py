@@ -67,7 +67,8 @@ def step(scheduler: Scheduler) -> Step:
     items = [(str(item.seq.key), item.start, item.count, item.samples) for item in plan.items]
     sampled = [item.seq for item in plan.items if item.samples]
     tokens = [FAKE_TOKEN + seq.num_tokens for seq in sampled]
-    outputs = scheduler.postprocess(plan, sampled, Samples(tokens, [None] * len(tokens)))
+    launch = scheduler.commit(plan.items, sampled)
+    outputs = scheduler.postprocess(launch, Samples(tokens, [None] * len(tokens)))
     assert [output.token_ids for output in outputs] == [[token] for token in tokens]
     done = [str(output.key) for output in outputs if output.finish_reason is not None]
     assert all(output.finish_reason is FinishReason.LENGTH for output in outputs if str(output.key) in done)

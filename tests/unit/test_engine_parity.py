@@ -1,8 +1,9 @@
 """The engine core against Hugging Face transformers: token-for-token greedy parity and close logprobs.
 
 Every supported family runs as a small random model: alone, in a batch of different prompt lengths with
-chunked prefill, through preemption in a pool too small for the batch, and from the prefix cache. After each
-run every page is free or cached.
+chunked prefill, through preemption in a pool too small for the batch, and from the prefix cache; each with
+steps run one by one, and with async scheduling (the next step launched before this one's tokens are on the
+host). After each run every page is free or cached.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 import torch
@@ -36,13 +38,18 @@ GREEDY = SamplingOptions(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True
 class Family:
     model: CausalLM
     hf: PreTrainedModel
+    scheduling: Literal["on", "off"]  # async scheduling
 
     def engine(self, num_pages: int = 256, max_batched_tokens: int = 64, page_size: int = 16) -> EngineCore:
         spec = self.model.spec
         shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", page_size)
         kv = LocalKVCache(shape, num_pages)
         return EngineCore(
-            self.model, kv, EngineConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=16)
+            self.model,
+            kv,
+            EngineConfig(
+                max_batched_tokens=max_batched_tokens, max_num_seqs=16, async_scheduling=self.scheduling
+            ),
         )
 
     def reference(self, prompt: list[int], new_tokens: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
@@ -70,14 +77,18 @@ def backend(name: str) -> KernelBackend:
     return CpuBackend(ops)
 
 
-@pytest.fixture(scope="module", params=[(f, b) for b in ("torch", "cpu") for f in FAMILIES], ids="-".join)
+@pytest.fixture(
+    scope="module",
+    params=[(f, b, s) for s in ("off", "on") for b in ("torch", "cpu") for f in FAMILIES],
+    ids=lambda param: "-".join(param[:2]) + ("-async" if param[2] == "on" else ""),
+)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
-    name, kernels = request.param
+    name, kernels, scheduling = request.param
     folder = make_model(name, tmp_path_factory.mktemp(name))
     model = CausalLM.from_pretrained(
         folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels)
     )
-    return Family(model, AutoModelForCausalLM.from_pretrained(folder).eval())
+    return Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), scheduling)
 
 
 def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:

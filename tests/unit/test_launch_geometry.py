@@ -1,6 +1,6 @@
 """The grids' geometry (kernels/tuning.py): the decode grid's split of each context (enough blocks to fill
 the device twice over, no split for a batch that fills it alone, no partition shorter than the minimum)
-and the tensor-core prefill's tiles."""
+and the tensor-core prefill's tiles; and the CUDA graphs' batch sizes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kernels.tuning import (
     decode_split,
     prefill_tiles,
 )
+from services.worker.core.cuda_graphs import graph_sizes
 from tests.kernels.steps import Chunk, make_metadata
 
 H200_SMS = 132
@@ -90,3 +91,12 @@ def test_the_tensor_core_decode_pipeline_fits_the_shared_memory_a_block_may_have
 ) -> None:
     """Head dim 128, pages of 16: three stages need 104,448 bytes, two 71,680; neither: no tensor cores."""
     assert decode_mma_stages(128, 16, TUNINGS[90], limit) == stages
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 64, 100, 300])
+def test_every_decode_batch_the_scheduler_makes_has_a_graph(max_num_seqs: int) -> None:
+    sizes = graph_sizes(max_num_seqs)
+    assert sizes[-1] == max_num_seqs and sizes == sorted(set(sizes))
+    for batch in range(1, max_num_seqs + 1):
+        padded = next(size for size in sizes if size >= batch)
+        assert padded - batch <= max(batch // 2, 8), f"batch {batch} pads to {padded}"

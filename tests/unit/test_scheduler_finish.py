@@ -99,7 +99,7 @@ def test_postprocess_applies_the_stop_rules_and_frees_a_finished_sequence(
     seq = Sequence(key="r", tokens=prompt(5), prompt_len=5, options=options, priority=0, arrival=0)
     scheduler.add(seq)
     plan = scheduler.schedule()
-    (output,) = scheduler.postprocess(plan, [seq], Samples([token], [None]))
+    (output,) = scheduler.postprocess(scheduler.commit(plan.items, [seq]), Samples([token], [None]))
     assert (output.key, output.token_ids, output.finish_reason, output.prompt_tokens) == (
         "r",
         [token],
@@ -108,3 +108,36 @@ def test_postprocess_applies_the_stop_rules_and_frees_a_finished_sequence(
     )
     assert (seq.finish_reason, "r" in scheduler.requests) == (reason, reason is None)
     assert held_pages(kv) == (0 if reason else 2)
+
+
+# A launched step's tokens --------------------------------------------------------------------------------
+
+
+def test_a_dead_end_drops_its_placeholder_and_counts_no_token() -> None:
+    kv = make_kv(8)
+    scheduler = make_scheduler(kv)
+    seq = Sequence("r", prompt(5), 5, SamplingOptions(max_tokens=5, min_tokens=1), priority=0, arrival=0)
+    scheduler.add(seq)
+    launch = scheduler.commit(scheduler.schedule().items, [seq])
+    (output,) = scheduler.postprocess(launch, Samples([999], [None], dead_ends=frozenset({0})))
+    assert output.error is not None and "after 0 tokens: min_tokens (1)" in output.error.message
+    assert (seq.tokens, seq.in_flight, output.token_ids) == (prompt(5), 0, [])
+    assert_settled(kv)
+
+
+def test_a_sequence_the_pool_cannot_hold_alone_gets_its_token_in_flight_first() -> None:
+    kv = make_kv(1)  # one page of 4 tokens
+    scheduler = make_scheduler(kv)
+    seq = make_seq("r", prompt(3), max_tokens=5)
+    scheduler.add(seq)
+    first = scheduler.commit(scheduler.schedule().items, [seq])  # 3 tokens computed; the 4th on its way
+    second = scheduler.commit(scheduler.schedule().items, [seq])  # the 4th token's KV fills the page
+    assert seq.in_flight == 2
+    plan = scheduler.schedule()  # a 5th token needs a second page, which the pool does not have
+    assert (plan.items, plan.finished) == ([], [])  # not dropped while its token is in flight
+    assert scheduler.postprocess(first, Samples([1003], [None]))[0].token_ids == [1003]
+    assert scheduler.postprocess(second, Samples([1004], [None]))[0].token_ids == [1004]
+    plan = scheduler.schedule()
+    assert plan.finished == [seq] and seq.finish_reason is FinishReason.LENGTH
+    assert seq.tokens == [*prompt(3), 1003, 1004]
+    assert_settled(kv)

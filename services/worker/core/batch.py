@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import AttentionMetadata
-from services.worker.core.scheduler import ScheduledSeq
+from services.worker.core.plan import ScheduledSeq
 from services.worker.core.sequence import Sequence
+from services.worker.core.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -37,42 +38,52 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     for item in ordered:
         seq, end = item.seq, item.start + item.count
         input_ids += seq.tokens[item.start : end]
-        positions += range(item.start, end)
+        positions += item.positions
         pages = seq.pages
-        slots += [pages[p // page_size] * page_size + p % page_size for p in range(item.start, end)]
+        slots += [pages[p // page_size] * page_size + p % page_size for p in item.positions]
         seq_lens.append(end)
         query_start.append(query_start[-1] + item.count)
-    prefill_seq: list[int] = []
-    prefill_pos: list[int] = []
-    for row, item in enumerate(ordered[num_decodes:], start=num_decodes):
-        prefill_seq += [row] * item.count
-        prefill_pos += range(item.start, item.start + item.count)
+    prefill = [
+        (row, p) for row, item in enumerate(ordered[num_decodes:], num_decodes) for p in item.positions
+    ]
+    prefill_seq, prefill_pos = [row for row, _ in prefill], [p for _, p in prefill]
     width = max(len(item.seq.pages) for item in ordered)
-    tables = [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in ordered]
+    tables = [page for item in ordered for page in item.seq.pages + [0] * (width - len(item.seq.pages))]
     sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
     scored, scored_at = _prompt_positions(ordered, query_start)
-
-    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
+    logits_indices = [query_start[i + 1] - 1 for i, _ in sampling] + scored_at
+    # One copy to the device for the whole step; each part is a view of it.
+    parts = [
+        input_ids,
+        positions,
+        slots,
+        tables,
+        seq_lens,
+        query_start,
+        prefill_seq,
+        prefill_pos,
+        logits_indices,
+    ]
+    flat = to_device([value for part in parts for value in part], torch.long, device)
+    views = flat.split([len(part) for part in parts])
     meta = AttentionMetadata(
-        slot_mapping=tensor(slots),
-        block_tables=tensor(tables),
-        seq_lens=tensor(seq_lens),
-        query_start=tensor(query_start),
+        slot_mapping=views[2],
+        block_tables=views[3].view(len(ordered), width),
+        seq_lens=views[4],
+        query_start=views[5],
         num_decodes=num_decodes,
         seq_lens_host=tuple(seq_lens),
         query_start_host=tuple(query_start),
-        prefill_seq=tensor(prefill_seq),
-        prefill_pos=tensor(prefill_pos),
+        prefill_seq=views[6],
+        prefill_pos=views[7],
         decode_max_len=max(seq_lens[:num_decodes], default=0),
     )
     return ForwardBatch(
         items=ordered,
-        input_ids=tensor(input_ids),
-        positions=tensor(positions),
+        input_ids=views[0],
+        positions=views[1],
         meta=meta,
-        logits_indices=tensor([query_start[i + 1] - 1 for i, _ in sampling] + scored_at),
+        logits_indices=views[8],
         sampling=[item for _, item in sampling],
         scored=scored,
     )

@@ -3,7 +3,7 @@
 A decode-only step of S sequences replays the graph captured for the smallest size >= S, on static input
 buffers: the rows past S are padding (slot -1, so their K and V are not written; the null page as their
 block table). Attention is sized for the full context, so one graph serves every context length. Prefill
-steps, and batches larger than the largest graph, run eagerly.
+steps run eagerly; the largest graph is the scheduler's max_num_seqs, so no decode step is too large.
 """
 
 from __future__ import annotations
@@ -22,11 +22,17 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def graph_sizes(max_batch: int) -> list[int]:
+    """The batch sizes to capture: every decode batch the scheduler makes (up to max_batch, its
+    max_num_seqs) pads to one of them."""
+    return sorted({size for size in BATCH_SIZES if size < max_batch} | {max_batch})
+
+
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: torch.Tensor, max_batch: int, page_size: int) -> None:
         self.model = model
         self.kv = kv
-        self.sizes = [size for size in BATCH_SIZES if size <= max_batch] or [1]
+        self.sizes = graph_sizes(max_batch)
         largest, device = self.sizes[-1], model.device
         self.max_len = model.spec.max_model_len
         pages = -(-self.max_len // page_size)

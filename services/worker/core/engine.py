@@ -1,5 +1,7 @@
 """The engine core: one step at a time, on the caller's thread: schedule, run the model, postprocess.
 
+With async scheduling a step launches the model on its plan and then postprocesses the step before, which
+the device ran while this one was scheduled and built; its outputs come a step later, in the same time.
 It checks and admits requests, aborts them, and fails them all when the step cannot go on. It knows no
 thread (`loop` runs it in one), no gRPC and no protobuf (the servicer converts its outputs). Tests and
 benchmarks drive it directly with `add(new_sequence(...))`, `step` and `run_until_done`.
@@ -8,9 +10,11 @@ benchmarks drive it directly with `add(new_sequence(...))`, `step` and `run_unti
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Literal
 
 from memory_daemon.prefix import salted_root
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError, Unimplemented
@@ -19,12 +23,15 @@ from services.common.limits import check_prompt_fits
 from services.common.sampling import SamplingOptions
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.grammar import Grammars
-from services.worker.core.model_runner import ModelRunner
+from services.worker.core.model_runner import ModelRunner, StepInFlight
 from services.worker.core.outputs import RequestOutput
+from services.worker.core.plan import Launch
 from services.worker.core.scheduler import Scheduler
 from services.worker.core.sequence import FinishReason, Sequence
 from services.worker.kv.base import KVCache
 from services.worker.models import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,11 @@ class EngineConfig:
     prefix_caching: bool = setting(True, "look prompts up in the prefix cache, and publish full pages")
     # Off by default: on a CPU the model's threads already take every core (scripts/bench_structured.py).
     overlap_grammar: bool = setting(False, "fill structured outputs' token masks while the model runs")
+    async_scheduling: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "schedule and launch the next step while the device runs this one: auto is on for CUDA; on a CPU, "
+        "where the model runs on the engine's own thread, it would only hold each token back a step",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -63,6 +75,10 @@ class EngineCore:
             max_model_len=spec.max_model_len,
         )
         self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
+        self.scheduler.wait_for_device = self.runner.wait_for_device
+        auto = config.async_scheduling == "auto"
+        self.async_scheduling = model.device.type == "cuda" if auto else config.async_scheduling == "on"
+        self._in_flight: tuple[Launch, StepInFlight] | None = None  # the step launched last, not yet done
         self._arrivals = itertools.count()
         # Counters for metrics, written only by the thread that steps; see also the scheduler's.
         self.steps = 0  # steps that ran the model
@@ -126,25 +142,43 @@ class EngineCore:
         seq = self.scheduler.requests.get(key)
         return None if seq is None else self._finish(seq, FinishReason.ABORT)
 
+    def abort_all(self) -> list[RequestOutput]:
+        """End every request with ABORT, and take back every page once the device is done with it."""
+        outputs = [self._finish(seq, FinishReason.ABORT) for seq in list(self.scheduler.requests.values())]
+        self._let_go()
+        return outputs
+
     def fail_all(self, error: StatusError) -> list[RequestOutput]:
         """End every request with error: the step cannot go on (the KV pool is gone, say)."""
-        return [
+        outputs = [
             self._finish(seq, FinishReason.ABORT, error) for seq in list(self.scheduler.requests.values())
         ]
+        self._let_go()
+        return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.requests)
+        return bool(self.scheduler.requests) or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model on the plan, postprocess; returns what every request got."""
+        """Schedule, launch the model on the plan, and postprocess the step before, which the device ran
+        meanwhile (or this one, with no async scheduling); returns what every request got."""
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if previous is not None and (not self.async_scheduling or previous[1].needs_host):
+            outputs += self._complete(previous)
+            previous = None
         plan = self.scheduler.schedule()
-        outputs = [RequestOutput.of(seq) for seq in plan.finished]
+        outputs += [RequestOutput.of(seq) for seq in plan.finished]
         if plan.items:
-            ran = self.runner.run(plan.items)
-            outputs += self.scheduler.postprocess(plan, ran.sampled, ran.samples, ran.scored)
+            launched = self.runner.launch(plan.items, previous[1] if previous is not None else None)
+            self._in_flight = (self.scheduler.commit(plan.items, launched.sampled), launched)
             self.steps += 1
-            self.generation_tokens += len(ran.sampled)
-            self.last_batch = (ran.num_tokens, len(ran.sampled))
+            self.last_batch = (launched.num_tokens, len(launched.sampled))
+        if previous is not None:
+            outputs += self._complete(previous)
+        if not self.async_scheduling and self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
         return outputs
 
     def run_until_done(self) -> list[RequestOutput]:
@@ -165,6 +199,23 @@ class EngineCore:
         running = self.scheduler.running
         allocated = sum(len(seq.pages) for seq in running) * self.kv.page_size
         return allocated, sum(seq.num_computed for seq in running)
+
+    def _let_go(self) -> None:
+        """Drop the step in flight, whose requests are gone, and take back the pages held for launched steps
+        once the device is done with them, or failed."""
+        self._in_flight = None
+        try:
+            self.scheduler.wait_for_device()
+        except RuntimeError:  # a CUDA error sticks: every later call raises it again
+            log.exception("the device failed; its steps' pages go back unwritten")
+        self.scheduler.device_finished(self.scheduler.launched)
+
+    def _complete(self, step: tuple[Launch, StepInFlight]) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, and do its bookkeeping."""
+        launch, in_flight = step
+        ran = in_flight.wait()
+        self.generation_tokens += len(ran.sampled)
+        return self.scheduler.postprocess(launch, ran.samples, ran.scored)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)

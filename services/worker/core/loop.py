@@ -144,7 +144,7 @@ class EngineLoop:
             if self.on_step is not None and self.core.steps != steps:
                 self.on_step(seconds, self.core.last_batch[0])
             self._emit(outputs)
-        self._emit([out for key in list(self.core.scheduler.requests) if (out := self.core.abort(key))])
+        self._emit(self.core.abort_all())
 
     def _has_work(self) -> bool:
         return bool(self.core.has_unfinished() or self._inbox or self._aborts or self._commands)

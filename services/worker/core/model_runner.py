@@ -1,8 +1,10 @@
 """The model runner: a step's schedule in, one sampled token per finishing chunk out.
 
 It builds the flat batch (`batch`), runs the forward pass, by CUDA graph replay where one fits (`cuda_graphs`)
-and eagerly otherwise, and samples (`sampler`). It owns nothing about requests' lifecycles: the scheduler's
-postprocess does the bookkeeping with what it returns.
+and eagerly otherwise, and samples (`sampler`), all without waiting for the device: `launch` returns the step
+in flight, and its `wait` the tokens. A step launched while the one before is still in flight takes that
+one's sampled tokens as inputs on the device. It owns nothing about requests' lifecycles: the scheduler's
+postprocess does the bookkeeping with what `wait` returns.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.core.batch import build_batch
+from services.worker.core.batch import ForwardBatch, build_batch
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.grammar import fill_masks
-from services.worker.core.sampler import Samples, sample, score
-from services.worker.core.scheduler import ScheduledSeq
-from services.worker.core.sequence import Sequence, TokenLogprob
+from services.worker.core.plan import ScheduledSeq
+from services.worker.core.sampler import Draw, Samples, draw, score
+from services.worker.core.sequence import PENDING, Sequence, TokenLogprob
+from services.worker.core.transfer import to_device
 from services.worker.kv.base import KVCache
 from services.worker.models import CausalLM
 
@@ -30,6 +33,28 @@ class ModelOutput:
     samples: Samples
     num_tokens: int  # tokens the forward pass ran
     scored: list[tuple[Sequence, TokenLogprob]]  # prompt tokens' log-probabilities, in prompt order
+
+
+@dataclass(frozen=True)
+class StepInFlight:
+    """A launched step: its draw, which may still be on the device."""
+
+    sampled: list[Sequence]
+    draw: Draw
+    num_tokens: int
+    scored: list[tuple[Sequence, TokenLogprob]]
+
+    @property
+    def needs_host(self) -> bool:
+        """Whether the next step must wait for this one's tokens on the host before it is scheduled: a
+        grammar, a penalty or a prompt's log-probabilities read them."""
+        return any(
+            seq.grammar is not None or seq.options.penalized or seq.wants_prompt_logprobs
+            for seq in self.sampled
+        ) or bool(self.scored)
+
+    def wait(self) -> ModelOutput:
+        return ModelOutput(self.sampled, self.draw.samples(), self.num_tokens, self.scored)
 
 
 def _score_prompts(
@@ -56,8 +81,11 @@ class ModelRunner:
         # Grammar masks filled on a thread of their own while the model runs (xgrammar frees the GIL).
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar") if overlap_masks else None
 
-    def run(self, items: list[ScheduledSeq]) -> ModelOutput:
+    def launch(self, items: list[ScheduledSeq], previous: StepInFlight | None = None) -> StepInFlight:
+        """Run a step on the device; previous: the step before, if its tokens are not on the host yet."""
         batch = build_batch(items, self.kv.page_size, self.model.device)
+        if previous is not None:
+            _take_pending_tokens(batch, previous)
         sampled = [item.seq for item in batch.sampling]
         states = [seq.grammar for seq in sampled]
         filling = None
@@ -69,10 +97,17 @@ class ModelRunner:
                 batch.input_ids, batch.positions, batch.meta, self.kv.kv, batch.logits_indices
             )
         masks = filling.result() if filling is not None else None
-        samples = sample(logits[: len(sampled)], sampled, self._eos, masks)
-        return ModelOutput(
-            sampled, samples, batch.num_tokens, _score_prompts(logits[len(sampled) :], batch.scored)
+        return StepInFlight(
+            sampled,
+            draw(logits[: len(sampled)], sampled, self._eos, masks),
+            batch.num_tokens,
+            _score_prompts(logits[len(sampled) :], batch.scored),
         )
+
+    def wait_for_device(self) -> None:
+        """Block until the device has run everything launched."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     def rebind(self, kv: KVCache) -> None:
         """Run on another pool (the daemon came back): the graphs baked in the old pool's address."""
@@ -80,3 +115,20 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.kv = kv.kv
             self.graphs.capture()
+
+
+def _take_pending_tokens(batch: ForwardBatch, previous: StepInFlight) -> None:
+    """Fill the batch's pending input tokens, on the device, from the previous step's draw: a decode whose
+    token that step sampled (decodes come first in a batch, one token each)."""
+    rows = {id(seq): row for row, seq in enumerate(previous.sampled)}
+    pending = [
+        (i, rows[id(item.seq)])
+        for i, item in enumerate(batch.items[: batch.meta.num_decodes])
+        if item.seq.tokens[item.start] == PENDING
+    ]
+    if pending:
+        into, taken = zip(*pending, strict=True)
+        ids = batch.input_ids
+        ids[to_device(list(into), torch.long, ids)] = previous.draw.tokens[
+            to_device(list(taken), torch.long, ids)
+        ]

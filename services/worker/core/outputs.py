@@ -32,7 +32,7 @@ class RequestOutput:
     ) -> RequestOutput:
         """The sequence's output now: its new tokens, and its finish reason once it has one; the prompt's
         log-probabilities go with its first token."""
-        first = token_ids is not None and seq.num_tokens - len(token_ids) == seq.prompt_len
+        first = token_ids is not None and seq.num_known - len(token_ids) == seq.prompt_len
         return cls(
             seq.key,
             token_ids or [],

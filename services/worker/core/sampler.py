@@ -20,6 +20,7 @@ import torch
 from services.common.sampling import SamplingOptions
 from services.worker.core.grammar import mask_logits
 from services.worker.core.sequence import Sequence, TokenLogprob
+from services.worker.core.transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,52 @@ class Samples:
     dead_ends: frozenset[int] = frozenset()  # rows whose grammar allowed no token: their token is meaningless
 
 
+@dataclass(frozen=True)
+class Draw:
+    """A batch's chosen tokens and their log-probabilities, on their way from the device to the host:
+    `samples` waits for them; until then, `tokens` can feed the next step on the device."""
+
+    tokens: torch.Tensor  # [S], on the device
+    logprob_rows: list[int]  # the rows that asked for log-probabilities, and how many top tokens each
+    tops: list[int]
+    dead_ends: frozenset[int]
+    _host: tuple[torch.Tensor, ...]  # tokens, then the asking rows' chosen, top values and top ids
+    _ready: torch.cuda.Event | None  # recorded after the copies to _host
+
+    def samples(self) -> Samples:
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids = self._host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            asked = [token_ids[row] for row in self.logprob_rows]
+            chosen, top_values, top_ids = self._host[1:]
+            for row, logprob in zip(
+                self.logprob_rows, _token_logprobs(asked, chosen, top_values, top_ids, self.tops), strict=True
+            ):
+                logprobs[row] = logprob
+        return Samples(token_ids, logprobs, self.dead_ends)
+
+
 def sample(
     logits: torch.Tensor,
     seqs: list[Sequence],
     eos_token_ids: frozenset[int] = frozenset(),
     masks: torch.Tensor | None = None,
 ) -> Samples:
-    """Pick one token per row of logits [S, V] (fp32) for the matching sequence; masks: the rows' grammar
-    masks, if already filled (`grammar.fill_masks`)."""
+    """Pick one token per row of logits [S, V] (fp32) for the matching sequence, and wait for them."""
+    return draw(logits, seqs, eos_token_ids, masks).samples()
+
+
+def draw(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_token_ids: frozenset[int] = frozenset(),
+    masks: torch.Tensor | None = None,
+) -> Draw:
+    """Pick one token per row of logits [S, V] (fp32) for the matching sequence, with no wait for the device
+    (unless a row's grammar or penalties need the host); masks: the rows' grammar masks, if already filled
+    (`grammar.fill_masks`)."""
     options = [seq.options for seq in seqs]
     raw = logits
     dead_ends: list[int] = []
@@ -53,14 +92,21 @@ def sample(
         noise = torch.empty_like(probs).exponential_()
         for row, seq in enumerate(seqs):
             if seq.options.seed is not None and not seq.options.greedy:
-                noise[row] = seeded_noise(seq.options.seed, seq.num_tokens, noise.shape[1])
+                noise[row] = to_device(
+                    seeded_noise(seq.options.seed, seq.num_tokens, noise.shape[1]), noise.dtype, noise
+                )
         # A float32 draw of exactly 0 (about 1 in 10^7 for each token) would make p / E infinite, or NaN
         # for a token of probability 0: it counts as the smallest draw that a 24-bit uniform gives.
         drawn = (probs / noise.clamp_min_(2.0**-24)).argmax(dim=-1)
-        is_greedy = torch.tensor([o.greedy for o in options], device=logits.device)
-        chosen = torch.where(is_greedy, greedy, drawn)
-    token_ids = chosen.tolist()
-    return Samples(token_ids, _logprobs(raw, token_ids, options), frozenset(dead_ends))
+        chosen = torch.where(to_device([o.greedy for o in options], torch.bool, logits), greedy, drawn)
+    rows = [row for row, o in enumerate(options) if o.logprobs]
+    tops = [options[row].logprobs for row in rows]
+    scores: tuple[torch.Tensor, ...] = ()
+    if rows:
+        at = to_device(rows, torch.long, raw)
+        scores = logprobs_of(raw.index_select(0, at), chosen.index_select(0, at), max(tops))
+    host, ready = to_host(chosen, *scores)
+    return Draw(chosen, rows, tops, frozenset(dead_ends), host, ready)
 
 
 def restrict(
@@ -74,14 +120,15 @@ def restrict(
     biased = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in seq.options.logit_bias]
     if biased:  # one scatter for the whole batch
         rows, tokens, values = zip(*biased, strict=True)
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+        index = (to_device(rows, torch.long, logits), to_device(tokens, torch.long, logits))
+        logits.index_put_(index, to_device(values, logits.dtype, logits), accumulate=True)
     for row, seq in enumerate(seqs):
         o = seq.options
         if seq.num_tokens - seq.prompt_len < o.min_tokens:
             # EOS ends a constrained row whatever ignore_eos says, so min_tokens holds it back there too.
             ends = eos_token_ids if not o.ignore_eos or seq.grammar is not None else frozenset()
-            logits[row, sorted(set(o.stop_token_ids) | ends)] = -torch.inf
+            held = to_device(sorted(set(o.stop_token_ids) | ends), torch.long, logits)
+            logits[row].index_fill_(0, held, -torch.inf)
     return mask_logits(logits, [seq.grammar for seq in seqs], masks)
 
 
@@ -108,15 +155,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
     """Probabilities after temperature, min_p, top_k and top_p; removed tokens have probability 0."""
-    temperature = torch.tensor([1.0 if o.greedy else o.temperature for o in options], device=logits.device)
+    temperature = to_device([1.0 if o.greedy else o.temperature for o in options], logits.dtype, logits)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     if not any(o.filtered for o in options):
         return probs
     vocab = probs.shape[1]
-    min_p = torch.tensor([o.min_p for o in options], device=logits.device)
+    min_p = to_device([o.min_p for o in options], probs.dtype, probs)
     probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    top_k = torch.tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], device=logits.device)
-    top_p = torch.tensor([o.top_p for o in options], device=logits.device)
+    top_k = to_device([o.top_k if 0 < o.top_k < vocab else vocab for o in options], torch.long, probs)
+    top_p = to_device([o.top_p for o in options], probs.dtype, probs)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
@@ -136,29 +183,32 @@ def seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     return torch.from_numpy(np.random.Generator(bits).standard_exponential(vocab, dtype=np.float32))
 
 
-def _logprobs(
-    logits: torch.Tensor, token_ids: list[int], options: list[SamplingOptions]
-) -> list[TokenLogprob | None]:
-    wanted = [row for row, o in enumerate(options) if o.logprobs]
-    results: list[TokenLogprob | None] = [None] * len(options)
-    if wanted:
-        scored = score(
-            logits[wanted], [token_ids[row] for row in wanted], [options[row].logprobs for row in wanted]
-        )
-        for row, logprob in zip(wanted, scored, strict=True):
-            results[row] = logprob
-    return results
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-probability of its token, and the n best (values, then ids), from logits [R, V]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], logprobs[:, :0].long())
+    return chosen, top_values, top_ids
 
 
 def score(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> list[TokenLogprob]:
     """Each row's log-probability of its token, and its top-n with n from tops, from logits [R, V]."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
-    n = max(tops)
-    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen, top_values, top_ids = logprobs_of(logits, to_device(token_ids, torch.long, logits), max(tops))
+    return _token_logprobs(token_ids, chosen, top_values, top_ids, tops)
+
+
+def _token_logprobs(
+    token_ids: list[int],
+    chosen: torch.Tensor,
+    top_values: torch.Tensor,
+    top_ids: torch.Tensor,
+    tops: list[int],
+) -> list[TokenLogprob]:
+    """TokenLogprobs from the host copies of logprobs_of's results."""
+    chosen_list, values, ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
     return [
-        TokenLogprob(
-            token, logprob, tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
-        )
-        for i, (token, logprob, k) in enumerate(zip(token_ids, chosen, tops, strict=True))
+        TokenLogprob(token, logprob, tuple(zip(ids[i][:k], values[i][:k], strict=True)))
+        for i, (token, logprob, k) in enumerate(zip(token_ids, chosen_list, tops, strict=True))
     ]

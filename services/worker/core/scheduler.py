@@ -7,43 +7,25 @@ pages are neither recomputed nor allocated. When a sequence needs pages and the 
 worst-ranked running sequence that has not been scheduled yet is preempted: its pages go back (published
 ones stay cached) and it waits to be recomputed.
 
-After the model has run a plan, `postprocess` does the step's bookkeeping: each chunk's KV counts as
-computed and its new full pages go to the prefix cache, each sampled token is appended, and a sequence
-that meets a stop rule (a stop token, EOS unless ignored, max_tokens, the context's end) is finished,
-which gives its pages back at once.
+Once a plan is launched, `commit` counts its KV as computed and gives each sampling sequence a placeholder
+token, so the next step can be planned while the device runs this one. `postprocess`, once its tokens are
+back, publishes the new full pages to the prefix cache, fills the placeholders, and finishes a sequence that
+meets a stop rule (`stops`): its pages go back at once, or when the steps in flight that may write them end.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from memory_daemon.prefix import ROOT_KEY
-from pagedserve.plumbing.errors import FailedPrecondition
 from services.worker.core.outputs import RequestOutput
+from services.worker.core.plan import Launch, Plan, ScheduledSeq
 from services.worker.core.sampler import Samples
-from services.worker.core.sequence import FinishReason, Sequence, Status, TokenLogprob
+from services.worker.core.sequence import PENDING, FinishReason, Sequence, Status, TokenLogprob
+from services.worker.core.stops import StopRules, dead_end
 from services.worker.kv.base import KVCache
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # the first new token's position
-    count: int  # new tokens this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so the step samples its next token."""
-        return self.start + self.count == self.seq.num_tokens
-
-
-@dataclass(frozen=True)
-class Plan:
-    items: list[ScheduledSeq]
-    finished: list[Sequence]  # ended while scheduling: the pool cannot hold them even alone
 
 
 class Scheduler:
@@ -61,12 +43,15 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len = max_model_len
+        self.stops = StopRules(frozenset(eos_token_ids), max_model_len)
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished sequence, by key
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
         self.preemptions = 0
+        self.launched = 0  # steps committed
+        self.device_done = 0  # steps the device has finished
+        self.wait_for_device: Callable[[], None] = lambda: None  # until every committed step is finished
+        self._held: list[tuple[int, list[int]]] = []  # pages freed while steps up to that one may write them
         # A request's prompt is counted when it is first admitted, with what the prefix cache held for it
         # then; a recompute after preemption is not counted again.
         self.prompt_tokens = 0
@@ -89,40 +74,71 @@ class Scheduler:
             self._waiting = [entry for entry in self._waiting if entry[1] is not seq]
             heapq.heapify(self._waiting)
         self._release(seq)
+        if seq.in_flight:  # the tokens launched after its last one
+            del seq.tokens[-seq.in_flight :]
+            seq.in_flight = 0
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.key]
 
+    def commit(self, items: list[ScheduledSeq], sampled: list[Sequence]) -> Launch:
+        """The items are launched: their KV counts as computed, and each of sampled has a placeholder for
+        the token it will get."""
+        epochs = [item.seq.epoch for item in items]
+        for item in items:
+            item.seq.num_computed += item.count
+        for seq in sampled:
+            seq.tokens.append(PENDING)
+            seq.in_flight += 1
+        self.launched += 1
+        return Launch(self.launched, items, epochs, sampled)
+
     def postprocess(
         self,
-        plan: Plan,
-        sampled: Seq[Sequence],
+        launched: Launch,
         samples: Samples,
         scored: Seq[tuple[Sequence, TokenLogprob]] = (),
     ) -> list[RequestOutput]:
-        """The bookkeeping after the model ran plan and sampled one token for each of sampled, in order;
-        scored: the prompt log-probabilities it computed."""
-        for item in plan.items:
-            item.seq.num_computed += item.count
-            self.publish_full_pages(item.seq)
+        """The bookkeeping after a committed step is done: it sampled one token for each of its sampled
+        sequences, in order; scored: the prompt log-probabilities it computed."""
+        for item, epoch in zip(launched.items, launched.epochs, strict=True):
+            if item.seq.epoch == epoch and item.seq.status is Status.RUNNING:
+                self.publish_full_pages(item.seq, item.start + item.count)
         for seq, logprob in scored:
             seq.prompt_logprobs.append(logprob)
         outputs = []
         for row, (seq, token, token_logprob) in enumerate(
-            zip(sampled, samples.token_ids, samples.logprobs, strict=True)
+            zip(launched.sampled, samples.token_ids, samples.logprobs, strict=True)
         ):
-            if row in samples.dead_ends or (seq.grammar is not None and not seq.grammar.accept(token)):
-                self.finish(seq, FinishReason.ABORT)
-                outputs.append(RequestOutput.of(seq, error=_dead_end(seq)))
+            if seq.status is Status.FINISHED:  # aborted, or stopped by a token of the step before
                 continue
-            seq.tokens.append(token)
-            reason = self._stop_reason(seq, token)
+            if row in samples.dead_ends or (seq.grammar is not None and not seq.grammar.accept(token)):
+                self.finish(seq, FinishReason.ABORT)  # the token is meaningless: it goes with its placeholder
+                outputs.append(RequestOutput.of(seq, error=dead_end(seq)))
+                continue
+            seq.tokens[seq.num_known] = token
+            seq.in_flight -= 1
+            reason = self.stops.reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
             outputs.append(
                 RequestOutput.of(seq, [token], [token_logprob] if token_logprob is not None else [])
             )
+        self.device_finished(launched.number)
         return outputs
+
+    def device_finished(self, number: int) -> None:
+        """The device is done with the steps up to `number`: pages held for them go back."""
+        self.device_done = max(self.device_done, number)
+        ready = [pages for step, pages in self._held if step <= self.device_done]
+        self._held = [entry for entry in self._held if entry[0] > self.device_done]
+        for pages in ready:
+            self.kv.free(pages)
+
+    def settle(self) -> None:
+        """Wait for every committed step, and take back the pages held for them."""
+        self.wait_for_device()
+        self.device_finished(self.launched)
 
     def schedule(self) -> Plan:
         budget = self.max_batched_tokens
@@ -131,13 +147,15 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.rank):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted for a better sequence this step
-                continue
+            if seq.status is not Status.RUNNING or self.stops.ends_in_flight(seq):
+                continue  # preempted for a better sequence this step, or its last token is on its way
             count = min(seq.num_tokens - seq.num_computed, budget)
             if self._reserve(seq, count, protected=scheduled):
                 scheduled.append(ScheduledSeq(seq, seq.num_computed, count))
                 budget -= count
             elif len(self.running) == 1:
+                if seq.in_flight:  # its token first: the next step finishes it
+                    continue
                 self.finish(seq, FinishReason.LENGTH)  # alone, and still the pool cannot hold it
                 dropped.append(seq)
             else:
@@ -151,7 +169,7 @@ class Scheduler:
         deferred = []
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
-            if self._awaits_leader(seq):
+            if seq.in_flight or self._awaits_leader(seq):  # a token on its way, or a leader
                 deferred.append(heapq.heappop(self._waiting))
                 continue
             if self.prefix_caching and seq.num_computed == 0 and not seq.wants_prompt_logprobs:
@@ -178,11 +196,16 @@ class Scheduler:
         leader = self.requests.get(seq.follows) if seq.follows is not None else None
         if not self.prefix_caching or leader is None:
             return False
-        return leader.num_computed < leader.prompt_len or not self.kv.delivered(leader.published_mark)
+        published = leader.num_shared >= leader.prompt_len // self.kv.page_size
+        return (
+            leader.num_computed < leader.prompt_len
+            or not published
+            or not self.kv.delivered(leader.published_mark)
+        )
 
-    def publish_full_pages(self, seq: Sequence) -> None:
-        """Offer every newly computed full page to the prefix cache."""
-        full = seq.num_computed // self.kv.page_size
+    def publish_full_pages(self, seq: Sequence, computed: int) -> None:
+        """Offer the full pages of the first `computed` tokens, those not offered yet, to the prefix cache."""
+        full = computed // self.kv.page_size
         if self.prefix_caching and full > seq.num_shared:
             size = self.kv.page_size
             keys = seq.page_keys(full, size)
@@ -194,16 +217,6 @@ class Scheduler:
             )
             seq.num_shared = full
             seq.published_mark = self.kv.published
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        options = seq.options
-        if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        if seq.grammar is not None and seq.grammar.terminated:  # ended by an EOS, even with ignore_eos
-            return FinishReason.STOP
-        if seq.num_tokens - seq.prompt_len >= options.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -231,6 +244,11 @@ class Scheduler:
             if pages is not None:
                 seq.pages += pages
                 return True
+            if (
+                self._held and may_preempt
+            ):  # pages a step in flight may still write: wait, rather than preempt
+                self.settle()
+                continue
             victim = self._victim(seq, protected) if may_preempt else None
             if victim is None:
                 return False
@@ -251,13 +269,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
-            self.kv.free(seq.pages)
+            if self.device_done < self.launched:  # a step in flight may still write them
+                self._held.append((self.launched, seq.pages))
+            else:
+                self.kv.free(seq.pages)
         seq.reset()
-
-
-def _dead_end(seq: Sequence) -> FailedPrecondition:
-    out = seq.num_tokens - seq.prompt_len
-    why = "its structured output allows no token of this model"
-    if out < seq.options.min_tokens:
-        why = f"min_tokens ({seq.options.min_tokens}) holds back the only end its structured output allows"
-    return FailedPrecondition(f"the request stopped after {out} tokens: {why}")

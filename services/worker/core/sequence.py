@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from services.worker.core.grammar import GrammarState
 
 
+PENDING = -1  # a token id that is still on the device (Sequence.in_flight)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -53,11 +56,20 @@ class Sequence:
     follows: Hashable | None = None  # an earlier sample of the same prompt, whose prefill it waits for
     published_mark: int = 0  # the KV cache's publish count after its latest pages (KVCache.delivered)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1, 2, ... so far
+    # Tokens sampled on the device whose ids have not reached the host: placeholders (PENDING) that end
+    # `tokens`, so that the next step can be scheduled before they are known.
+    in_flight: int = 0
+    epoch: int = 0  # counts resets: work launched in an earlier epoch wrote pages the sequence no longer has
     _keys: list[bytes] = field(default_factory=list)  # the hash chain of leading full pages
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has: all but those in flight."""
+        return len(self.tokens) - self.in_flight
 
     @property
     def output_ids(self) -> list[int]:
@@ -87,3 +99,4 @@ class Sequence:
         self.num_computed = 0
         self.num_shared = 0
         self.status = Status.WAITING
+        self.epoch += 1
