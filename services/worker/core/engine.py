@@ -1,7 +1,8 @@
 """The engine core: one step at a time, on the caller's thread: schedule, run the model, postprocess.
 
 With async scheduling a step launches the model on its plan and then postprocesses the step before, which
-the device ran while this one was scheduled and built; its outputs come a step later, in the same time.
+the device ran while this one was scheduled and built: each step's outputs come from the next call to `step`,
+at about the time the device finishes it.
 It checks and admits requests, aborts them, and fails them all when the step cannot go on. It knows no
 thread (`loop` runs it in one), no gRPC and no protobuf (the servicer converts its outputs). Tests and
 benchmarks drive it directly with `add(new_sequence(...))`, `step` and `run_until_done`.
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from memory_daemon.prefix import salted_root
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError, Unimplemented
@@ -32,6 +33,13 @@ from services.worker.kv.base import KVCache
 from services.worker.models import CausalLM
 
 log = logging.getLogger(__name__)
+
+
+class Launched(NamedTuple):
+    """A step on its way through the device: the scheduler's record of it, and the model runner's."""
+
+    launch: Launch
+    step: StepInFlight
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ class EngineCore:
         self.scheduler.wait_for_device = self.runner.wait_for_device
         auto = config.async_scheduling == "auto"
         self.async_scheduling = model.device.type == "cuda" if auto else config.async_scheduling == "on"
-        self._in_flight: tuple[Launch, StepInFlight] | None = None  # the step launched last, not yet done
+        self._in_flight: Launched | None = None  # the step launched last, not yet postprocessed
         self._arrivals = itertools.count()
         # Counters for metrics, written only by the thread that steps; see also the scheduler's.
         self.steps = 0  # steps that ran the model
@@ -164,16 +172,16 @@ class EngineCore:
         meanwhile (or this one, with no async scheduling); returns what every request got."""
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
-        if previous is not None and (not self.async_scheduling or previous[1].needs_host):
+        if previous is not None and (not self.async_scheduling or previous.step.needs_host):
             outputs += self._complete(previous)
             previous = None
         plan = self.scheduler.schedule()
         outputs += [RequestOutput.of(seq) for seq in plan.finished]
         if plan.items:
-            launched = self.runner.launch(plan.items, previous[1] if previous is not None else None)
-            self._in_flight = (self.scheduler.commit(plan.items, launched.sampled), launched)
+            step = self.runner.launch(plan.items, previous.step if previous is not None else None)
+            self._in_flight = Launched(self.scheduler.commit(plan.items, step.sampled), step)
             self.steps += 1
-            self.last_batch = (launched.num_tokens, len(launched.sampled))
+            self.last_batch = (step.num_tokens, len(step.sampled))
         if previous is not None:
             outputs += self._complete(previous)
         if not self.async_scheduling and self._in_flight is not None:
@@ -210,12 +218,11 @@ class EngineCore:
             log.exception("the device failed; its steps' pages go back unwritten")
         self.scheduler.device_finished(self.scheduler.launched)
 
-    def _complete(self, step: tuple[Launch, StepInFlight]) -> list[RequestOutput]:
+    def _complete(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens, and do its bookkeeping."""
-        launch, in_flight = step
-        ran = in_flight.wait()
+        ran = launched.step.wait()
         self.generation_tokens += len(ran.sampled)
-        return self.scheduler.postprocess(launch, ran.samples, ran.scored)
+        return self.scheduler.postprocess(launched.launch, ran.samples, ran.scored)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)
