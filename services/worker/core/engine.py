@@ -89,9 +89,13 @@ class EngineCore:
         self._in_flight: Launched | None = None  # the step launched last, not yet postprocessed
         self._arrivals = itertools.count()
         # Counters for metrics, written only by the thread that steps; see also the scheduler's.
-        self.steps = 0  # steps that ran the model
         self.generation_tokens = 0  # tokens sampled, cancelled requests' included
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, sampled rows) of the last forward pass
+
+    @property
+    def steps(self) -> int:
+        """Steps that ran the model."""
+        return self.scheduler.launched
 
     @property
     def kv(self) -> KVCache:
@@ -180,7 +184,6 @@ class EngineCore:
         if plan.items:
             step = self.runner.launch(plan.items, previous.step if previous is not None else None)
             self._in_flight = Launched(self.scheduler.commit(plan.items, step.sampled), step)
-            self.steps += 1
             self.last_batch = (step.num_tokens, len(step.sampled))
         if previous is not None:
             outputs += self._complete(previous)
@@ -213,16 +216,16 @@ class EngineCore:
         once the device is done with them, or failed."""
         self._in_flight = None
         try:
-            self.scheduler.wait_for_device()
-        except RuntimeError:  # a CUDA error sticks: every later call raises it again
+            self.scheduler.settle()
+        except RuntimeError:  # a CUDA error sticks: every later wait raises it again
             log.exception("the device failed; its steps' pages go back unwritten")
-        self.scheduler.device_finished(self.scheduler.launched)
+            self.scheduler.device_finished(self.scheduler.launched)
 
     def _complete(self, launched: Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens, and do its bookkeeping."""
-        ran = launched.step.wait()
-        self.generation_tokens += len(ran.sampled)
-        return self.scheduler.postprocess(launched.launch, ran.samples, ran.scored)
+        samples = launched.step.wait()
+        self.generation_tokens += len(samples.token_ids)
+        return self.scheduler.postprocess(launched.launch, samples, launched.step.scored)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)

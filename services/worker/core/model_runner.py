@@ -28,21 +28,13 @@ SCORE_ROWS = 256
 
 
 @dataclass(frozen=True)
-class ModelOutput:
-    sampled: list[Sequence]  # the sequences that got a token this step, in the order of samples
-    samples: Samples
-    num_tokens: int  # tokens the forward pass ran
-    scored: list[tuple[Sequence, TokenLogprob]]  # prompt tokens' log-probabilities, in prompt order
-
-
-@dataclass(frozen=True)
 class StepInFlight:
     """A launched step: its draw, which may still be on the device."""
 
-    sampled: list[Sequence]
+    sampled: list[Sequence]  # the sequences that get a token, in the order of the draw's rows
     draw: Draw
-    num_tokens: int
-    scored: list[tuple[Sequence, TokenLogprob]]
+    num_tokens: int  # tokens the forward pass ran
+    scored: list[tuple[Sequence, TokenLogprob]]  # prompt tokens' log-probabilities, in prompt order
 
     @property
     def needs_host(self) -> bool:
@@ -53,8 +45,8 @@ class StepInFlight:
             for seq in self.sampled
         ) or bool(self.scored)
 
-    def wait(self) -> ModelOutput:
-        return ModelOutput(self.sampled, self.draw.samples(), self.num_tokens, self.scored)
+    def wait(self) -> Samples:
+        return self.draw.samples()
 
 
 def _score_prompts(
