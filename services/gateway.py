@@ -2,9 +2,11 @@
 
 SMG (PyPI `smg`, the router vLLM and SGLang use for their gRPC workers) speaks the OpenAI and Anthropic HTTP
 APIs, tokenizes and renders chats itself, and routes across workers. Each stack's frontend serves SMG's
-vLLM worker protocol, so this command only starts `smg launch --backend vllm` with one worker URL per
-stack, the model folder for the tokenizer, cache-aware routing (which follows each node's KV events, from
-its memory daemon), and health checks often enough to route around a stack that dies. Flags after `--` go
+vLLM worker protocol whole on its gateway listener (`pagedserve frontend --gateway-address`, the only
+listener with the node's KV events, cache flush and aborts by id), so this command only starts
+`smg launch --backend vllm` with one worker URL per stack's listener, the model folder for the tokenizer,
+cache-aware routing (which follows each node's KV events, from its memory daemon), and health checks often
+enough to route around a stack that dies. Flags after `--` go
 to smg as they are. SIGINT and SIGTERM stop the gateway, which dies with this process.
 """
 
@@ -35,11 +37,11 @@ Policy = Literal["cache_aware", "prefix_hash", "least_load", "power_of_two", "ro
 @dataclass(frozen=True)
 class GatewayConfig:
     stacks: tuple[str, ...] = setting(
-        ("127.0.0.1:50051",),
-        "a stack's frontend (host:port); repeat for several",
+        ("127.0.0.1:50052",),
+        "a stack's gateway listener (host:port, its frontend's --gateway-address); repeat for several",
         flag="--stack",
         metavar="ADDRESS",
-        shown_default="127.0.0.1:50051",
+        shown_default="127.0.0.1:50052",
     )
     host: str = setting("127.0.0.1", "the host the OpenAI API listens on; 0.0.0.0 serves other machines")
     port: int = setting(30000, "the OpenAI API's port", check=tcp_port)

@@ -19,8 +19,11 @@ certificate issued for another name, or a wildcard --host, does not stand in the
 Each child also serves Prometheus metrics on a free loopback port (unless --no-metrics). Once all are up,
 `{run_dir}/endpoints.json` names every process's address and metrics URL, for tools such as the bench:
 {"frontend": {"address", "metrics"}, "daemon": {"address", "metrics"}, "workers": [{"name", "address",
-"metrics"}]}, with null metrics when they are off, and {"gateway": {"address"}} under --gateway PORT, which
-puts SMG's OpenAI-compatible gateway in front of the stack (`pagedserve gateway`), stopped first.
+"metrics"}]}, with null metrics when they are off, the frontend's "gateway_address" (null without one),
+and {"gateway": {"address", "metrics"}} under --gateway PORT, which puts SMG's OpenAI-compatible gateway
+in front of the stack (`pagedserve gateway`), stopped first. SMG reaches the frontend's gateway listener
+(--gateway-address, on a free loopback port unless given), the only one that serves it the node's KV
+events; the public port refuses them to every client.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Plan:
     stack: StackConfig
     flags: dict[str, list[str]]  # the flags given for each kind of child, to pass on
     model: str | None = None  # for the gateway's tokenizer
+    gateway_address: str | None = None  # the frontend's listener for a gateway, when given
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,8 +100,6 @@ def configure(args: argparse.Namespace) -> Plan:
     flags = {name: settings.given_flags(config, args, skip=MANAGED) for name, config in CHILDREN.items()}
     stack = settings.from_args(StackConfig, args)
     frontend = settings.from_args(FrontendConfig, args)
-    if stack.gateway is not None and (frontend.tls_cert or frontend.api_token):
-        raise ValueError("--gateway reaches the frontend in plain gRPC: it cannot go with TLS or a token")
     if stack.run_dir is not None:
         try:
             stack = replace(stack, run_dir=str(private_folder(stack.run_dir)))
@@ -105,7 +107,7 @@ def configure(args: argparse.Namespace) -> Plan:
             raise ValueError(
                 f"--run-dir {stack.run_dir}: {exc}; give a folder of your own (mode 0700)"
             ) from None
-    return Plan(stack, flags, frontend.model)
+    return Plan(stack, flags, frontend.model, frontend.gateway_address)
 
 
 def run(plan: Plan) -> int:
@@ -171,27 +173,39 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
     frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
     frontend += ["--daemon", daemon_address]
     frontend += [arg for worker in workers for arg in ("--worker", str(worker["address"]))]
+    gateway_address = plan.gateway_address  # passed on with the frontend's flags
+    if gateway_address is None and plan.stack.gateway is not None:
+        gateway_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+        frontend += ["--gateway-address", gateway_address]
     launcher.start(
         "frontend", [*frontend, *plan.flags["frontend"]], local_address, "pagedserve.v1.Generation"
     )
     endpoints: dict[str, Any] = {}
     if plan.stack.gateway is not None:
-        endpoints["gateway"] = {"address": _start_gateway(launcher, plan, plan.stack.gateway, address)}
+        assert gateway_address is not None
+        endpoints["gateway"] = _start_gateway(launcher, plan, plan.stack.gateway, gateway_address)
     return endpoints | {
-        "frontend": {"address": address, "metrics": frontend_metrics},
+        "frontend": {"address": address, "metrics": frontend_metrics, "gateway_address": gateway_address},
         "daemon": {"address": daemon_address, "metrics": daemon_metrics},
         "workers": workers,
     }
 
 
-def _start_gateway(launcher: Launcher, plan: Plan, port: int, frontend: str) -> str:
-    """SMG's gateway in front of the frontend; returns its OpenAI API's URL."""
+def _start_gateway(launcher: Launcher, plan: Plan, port: int, listener: str) -> dict[str, str | None]:
+    """SMG's gateway in front of the frontend's gateway listener; returns its OpenAI API's URL and its
+    metrics' (SMG's own, such as the KV events it applied)."""
     url = api_url(plan.stack.host, port)
-    # The frontend as the gateway reaches it: by loopback when it listens on every interface.
-    stack = api_url(plan.stack.host, int(frontend.rsplit(":", 1)[1])).removeprefix("http://")
+    # The listener as the gateway reaches it: by loopback when it listens on every interface.
+    host, listener_port = listener.rsplit(":", 1)
+    stack = api_url(host, int(listener_port)).removeprefix("http://")
     gateway = ["gateway", "--stack", stack, "--host", plan.stack.host, "--port", str(port)]
+    metrics = None
+    if plan.stack.metrics:
+        metrics_port = free_port(METRICS_HOST)
+        gateway += ["--metrics-port", str(metrics_port)]
+        metrics = metrics_url(metrics_port)
     launcher.start("gateway", gateway + (["--model", plan.model] if plan.model else []), url)
-    return f"{url}/v1"
+    return {"address": f"{url}/v1", "metrics": metrics}
 
 
 def _write_json(path: Path, value: object) -> None:

@@ -166,6 +166,13 @@ class Stack:
     def daemon_address(self) -> str:
         return f"unix:{self.run_dir}/daemon.sock"
 
+    @property
+    def gateway_address(self) -> str:
+        """The frontend's gateway listener (--gateway-address), as endpoints.json names it."""
+        address = json.loads((self.run_dir / "endpoints.json").read_text())["frontend"]["gateway_address"]
+        assert address, "this stack's frontend has no --gateway-address"
+        return str(address)
+
     def survivors(self) -> list[str]:
         """Processes still running whose command line names this stack's run folder."""
         found = subprocess.run(["pgrep", "-af", str(self.run_dir)], capture_output=True, text=True)

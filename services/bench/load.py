@@ -62,17 +62,14 @@ async def grpc_target(
         yield send
 
 
-async def flush_prefix_cache(
-    address: str,
-    credentials: grpc.ChannelCredentials | None = None,
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> str:
-    """Empty the prefix cache of the node behind pagedserve's frontend at address (SMG's FlushCache), so
-    that a run does not find an earlier run's prompts there; returns what the node said."""
-    async with _channel(address, credentials) as channel:
+async def flush_prefix_cache(gateway_listener: str) -> str:
+    """Empty the prefix cache of a pagedserve node (SMG's FlushCache, which only the frontend's gateway
+    listener serves: plain gRPC, no token), so that a run does not find an earlier run's prompts there;
+    returns what the node said."""
+    async with _channel(gateway_listener, None) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         try:
-            reply = await stub.FlushCache(common_pb2.FlushCacheRequest(), metadata=metadata, timeout=30)
+            reply = await stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30)
         except grpc.aio.AioRpcError as exc:
             return f"not flushed ({exc.code().name}: {exc.details()})"
     return reply.message

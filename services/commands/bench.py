@@ -65,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-tpot", type=float, default=0.5, help="goodput's time-per-token bound in seconds"
     )
-    parser.add_argument("--endpoints", type=Path, help="endpoints.json from `pagedserve up`: metrics to read")
+    parser.add_argument(
+        "--endpoints",
+        type=Path,
+        help="endpoints.json from `pagedserve up`: metrics to read, and the gateway listener that flushes "
+        "the node's prefix cache before each run",
+    )
     parser.add_argument("--metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
     parser.add_argument("--baseline", choices=["hf"], help="also run the workload through transformers")
     parser.add_argument(
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             # Cold caches for each run: a pagedserve node may be loaded twice (directly and behind a
             # gateway), and a rerun of the bench sends the same prompts.
             for node in nodes:
-                said = asyncio.run(flush_prefix_cache(node, **connection))
+                said = asyncio.run(_flush(node, nodes, args.endpoints))
                 print(f"{node}'s prefix cache: {said}", file=sys.stderr, flush=True)
             recs = asyncio.run(
                 _measure(address, args.model, requests, concurrency, sampler, f"{name} {level:g}", connection)
@@ -187,6 +192,19 @@ async def _measure(
     target = openai_target(address, model) if _is_http(address) else grpc_target(address, **connection)
     async with target as send, sampler.running():
         return await drive(requests, send, concurrency=concurrency, label=label)
+
+
+async def _flush(node: str, nodes: list[str], endpoints: Path | None) -> str:
+    """Flush node's prefix cache through its stack's gateway listener, which endpoints.json names (the
+    public port refuses FlushCache to every client)."""
+    frontend = json.loads(endpoints.read_text())["frontend"] if endpoints else {}
+    listener = frontend.get("gateway_address")
+    if listener is None or (frontend["address"] != node and len(nodes) > 1):
+        return (
+            "not flushed: only a stack's gateway listener flushes it; start the stack with "
+            "--gateway-address (or --gateway) and pass its endpoints.json with --endpoints"
+        )
+    return await flush_prefix_cache(listener)
 
 
 def _worker_metrics(endpoints: Path | None) -> list[str]:

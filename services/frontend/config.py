@@ -17,6 +17,14 @@ def _unix_socket(address: str) -> str | None:
     return None if address.startswith("unix:") else f"must be a unix socket (unix:/path), got {address}"
 
 
+def _host_and_port(address: str) -> str | None:
+    """A gateway is told this address, so it names a port; SMG reaches workers over TCP only."""
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and 0 < int(port) < 65536 and not address.startswith("unix:"):
+        return None
+    return f"must be host:port with a port of its own (SMG reaches workers over TCP), got {address}"
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
     address: str = setting("127.0.0.1:50051", "host:port to serve; 0.0.0.0:50051 serves other machines")
@@ -30,6 +38,13 @@ class FrontendConfig:
     model: str | None = setting(None, "the model folder, for its tokenizer (default: SmolLM2-135M-Instruct)")
     daemon: str | None = setting(
         None, "the node's memory daemon, whose cached pages a gateway follows (SubscribeKvEvents, FlushCache)"
+    )
+    gateway_address: str | None = setting(
+        None,
+        "host:port of the gateway's own listener: SMG's worker protocol whole, with the node's control "
+        "surface (KV events, cache flush, Abort by id) that the public --address refuses; a caller from "
+        "this machine must run as this user or root, and others are whoever the network lets reach it",
+        check=_host_and_port,
     )
     max_running: int = setting(256, "requests in workers at once", check=positive)
     max_waiting: int = setting(

@@ -1,7 +1,13 @@
 """The frontend process: `pagedserve frontend`. It serves pagedserve.v1.Generation, SMG's vLLM worker
 protocol (vllm.grpc.engine.VllmEngine, so that SMG's gateway can route to it), grpc.health.v1 and server
 reflection, in front of the workers given with --worker. It never loads torch or the model's code: it
-tokenizes, and the workers report the model's limits."""
+tokenizes, and the workers report the model's limits.
+
+With --gateway-address it also listens for the gateway alone: a second server with SMG's protocol whole,
+the node's control surface included (`vllm_service`), which answers a caller from this machine only when it
+runs as this user or root (`peers.LocalUsersOnly`). SMG presents no credential to its workers, so the
+listener is what tells the gateway apart: loopback, a network namespace shared with SMG (compose), or a port
+a NetworkPolicy opens to SMG's pods alone (Kubernetes)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from pagedserve.plumbing.auth import bearer_interceptor
 from pagedserve.plumbing.logs import setup_logging
-from pagedserve.plumbing.rpc import start_server, stop_signal
+from pagedserve.plumbing.peers import LocalUsersOnly
+from pagedserve.plumbing.rpc import RunningServer, start_server, stop_signal
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
@@ -37,6 +44,7 @@ CONFIG = FrontendConfig  # its fields are the command line
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # SMG's worker protocol
 VLLM_SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+_PUBLIC = (SERVICE_NAME, VLLM_SERVICE_NAME)  # what the public port's health tells
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -51,48 +59,36 @@ async def serve(config: FrontendConfig) -> None:
     router, admission, tokenizing = shared.router, shared.admission, shared.tokenizing
     service = GenerationService(shared, model_id, config.drain_timeout_s)
     facts = await asyncio.to_thread(ModelFacts, model_dir, model_id, tokenizer)
-    vllm_service = _vllm_service(config, shared, facts)
     if config.metrics.port:
         track_admission(admission)
         config.metrics.serve()
 
-    def register(server: object) -> None:
-        generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_service, server)
-        names = (
-            SERVICE_NAME,
-            VLLM_SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(names, server)
-
-    running = await start_server(
-        config.address,
-        register,
-        [],
-        interceptors=bearer_interceptor(config.api_token),
-        credentials=config.server_credentials(),
-        local_address=config.local_address,
-    )
+    public = await _start_public_port(config, service, _vllm_service(config, shared, facts))
+    servers: list[tuple[RunningServer, tuple[str, ...]]] = [(public, _PUBLIC)]
+    if config.gateway_address:
+        servers.append((await _start_gateway_listener(config, shared, facts), (VLLM_SERVICE_NAME,)))
 
     async def track_health() -> None:
-        """Generation is SERVING while at least one worker is up."""
+        """Generation (and SMG's protocol) is SERVING while at least one worker is up."""
         while True:
             up = router.any_up
-            for name in (SERVICE_NAME, VLLM_SERVICE_NAME):
-                await running.health.set(name, _SERVING if up else _NOT_SERVING)
+            for running, names in servers:
+                for name in names:
+                    await running.health.set(name, _SERVING if up else _NOT_SERVING)
             await workers_changed.wait()
             workers_changed.clear()
 
     health_task = asyncio.create_task(track_health())
     router.start()
     stop = stop_signal()
-    log.info("frontend serving %s on %s, workers %s", model_id, running.address, ", ".join(config.workers))
+    where = servers[0][0].address + "".join(
+        f" (the gateway's on {running.address})" for running, _ in servers[1:]
+    )
+    log.info("frontend serving %s on %s, workers %s", model_id, where, ", ".join(config.workers))
     try:
         await stop.wait()
         log.info("shutting down: draining requests for up to %.0fs", config.shutdown_grace_s)
-        await running.stop(config.shutdown_grace_s)
+        await asyncio.gather(*(running.stop(config.shutdown_grace_s) for running, _ in servers))
     finally:
         health_task.cancel()
         await router.stop()
@@ -112,12 +108,66 @@ def _shared(
     return Shared(router, admission, builder, tokenizing, config.max_failovers)
 
 
-def _vllm_service(config: FrontendConfig, shared: Shared, facts: ModelFacts) -> VllmEngineService:
-    """SMG's worker protocol; the node's cached pages come from the daemon, when the frontend knows it."""
+async def _start_public_port(
+    config: FrontendConfig, service: GenerationService, vllm_service: VllmEngineService
+) -> RunningServer:
+    """pagedserve.v1, SMG's protocol without the control surface, health and reflection on --address."""
+
+    def register(server: object) -> None:
+        generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_service, server)
+        names = (
+            *_PUBLIC,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+
+    return await start_server(
+        config.address,
+        register,
+        [],
+        interceptors=bearer_interceptor(config.api_token),
+        credentials=config.server_credentials(),
+        local_address=config.local_address,
+    )
+
+
+def _vllm_service(
+    config: FrontendConfig, shared: Shared, facts: ModelFacts, *, gateway: bool = False
+) -> VllmEngineService:
+    """SMG's worker protocol; for the gateway, with the node's cached pages from the daemon, when the
+    frontend knows it."""
     node_cache = None
-    if config.daemon:
+    if gateway and config.daemon:
         node_cache = NodeCache(config.daemon, facts.model_id, config.secret, shared.router.worker_info)
-    return VllmEngineService(shared, facts, node_cache, config.drain_timeout_s)
+    return VllmEngineService(shared, facts, node_cache, config.drain_timeout_s, gateway=gateway)
+
+
+async def _start_gateway_listener(config: FrontendConfig, shared: Shared, facts: ModelFacts) -> RunningServer:
+    """SMG's protocol whole, control surface included, on --gateway-address: no token, no TLS (SMG sends
+    neither to its workers), and no caller from this machine but this user's and root's processes."""
+    assert config.gateway_address is not None
+    service = _vllm_service(config, shared, facts, gateway=True)
+    port = int(config.gateway_address.rsplit(":", 1)[1])
+    guard = LocalUsersOnly(port, f"the gateway listener {config.gateway_address}")
+    if not _is_loopback(config.gateway_address):
+        log.warning(
+            "the gateway listener %s answers whoever the network lets reach it: keep it on a network "
+            "only the gateway joins",
+            config.gateway_address,
+        )
+    return await start_server(
+        config.gateway_address,
+        lambda server: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(service, server),
+        [],
+        interceptors=[guard],
+    )
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def run(config: FrontendConfig) -> int:

@@ -7,6 +7,12 @@ stream sends a chunk per engine step that produced tokens and a complete per sam
 non-streamed request sends one complete per sample with everything. When the call ends early (the client
 goes away, or `Abort` names the request) every sample is aborted in its worker, which frees its pages
 within one step. The node's cached pages are the daemon's to tell (`node_cache`).
+
+Two instances serve it: one on the public port, and one on the gateway's own listener (--gateway-address).
+The node's control surface reaches beyond a caller's own requests: `SubscribeKvEvents` tells the token ids
+of every client's cached prompts, `FlushCache` drops them, and `Abort` ends requests by id, whoever sent
+them. Only the gateway's instance serves those; the public one refuses them to every client with
+PERMISSION_DENIED, and keeps no table of request ids for anyone to probe.
 """
 
 from __future__ import annotations
@@ -19,13 +25,20 @@ from collections.abc import AsyncIterator
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from pagedserve.plumbing.errors import InvalidArgument, Unimplemented
+from pagedserve.plumbing.errors import InvalidArgument, PermissionDenied, Unimplemented
 from services.frontend import vllm_info, vllm_request
 from services.frontend.generation import Generation, Shared, merged
 from services.frontend.metrics import RequestTracker
 from services.frontend.node_cache import NodeCache
 from services.frontend.service import deliver
 from services.frontend.vllm_answer import SampleAnswer
+
+# What each RPC of the control surface does beyond the caller's own requests, as a refusal names it.
+_CONTROL = {
+    "SubscribeKvEvents": "it tells the token ids of every client's cached prompts",
+    "FlushCache": "it drops every client's cached pages",
+    "Abort": "it ends requests by id, whoever sent them (end your own by closing its Generate stream)",
+}
 
 
 class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -35,12 +48,16 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         facts: vllm_info.ModelFacts,
         node_cache: NodeCache | None,
         drain_timeout_s: float,
+        *,
+        gateway: bool,
     ) -> None:
+        """gateway: this instance serves the gateway's own listener, the only one with the control surface."""
         self._shared = shared
         self._facts = facts
         self._node_cache = node_cache
         self._drain_timeout_s = drain_timeout_s
-        self._running: dict[str, list[Generation]] = {}
+        self._gateway = gateway
+        self._running: dict[str, list[Generation]] = {}  # by request id, for Abort: the gateway's only
         self._last_request = 0.0
 
     async def Generate(
@@ -48,12 +65,13 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> None:
         self._last_request = time.time()
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self._running:
+        if self._gateway and request_id in self._running:
             raise InvalidArgument(f"request {request_id!r} is already running; give each request its own id")
         converted = vllm_request.request_of(request)
         with RequestTracker(context) as tracker:
             generations = self._shared.start(converted, tracker)
-            self._running[request_id] = generations
+            if self._gateway:
+                self._running[request_id] = generations
             answers = [SampleAnswer(generation, request.stream) for generation in generations]
             try:
                 async for response in merged(generations):
@@ -61,13 +79,14 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
                     for message in answers[response.index].messages(response):
                         await deliver(context, message, self._drain_timeout_s)
             finally:
-                del self._running[request_id]
+                self._running.pop(request_id, None)
                 for generation in generations:
                     generation.cancel()
 
     async def Abort(
         self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.AbortResponse:
+        self._check_gateway("Abort")
         for request_id in request.request_ids:  # an id that has ended, or never ran, is no error
             for generation in self._running.get(request_id, ()):
                 generation.cancel()
@@ -139,7 +158,16 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> common_pb2.ProfileResponse:
         raise Unimplemented("pagedserve has no profiler to stop")
 
+    def _check_gateway(self, rpc: str) -> None:
+        if not self._gateway:
+            raise PermissionDenied(
+                f"{rpc} is the gateway's alone, since {_CONTROL[rpc]}: this port refuses it to every "
+                "client; a gateway reaches it on the frontend's --gateway-address (pagedserve up --gateway "
+                "wires SMG there)"
+            )
+
     def _cache(self, rpc: str) -> NodeCache:
+        self._check_gateway(rpc)
         if self._node_cache is None:
             raise Unimplemented(f"{rpc} needs the node's memory daemon: start the frontend with --daemon")
         return self._node_cache

@@ -1,5 +1,6 @@
-"""A running `pagedserve gateway` (SMG) in front of stacks, for the tests: started with deterministic routing
-and a control-plane key of its own, so that a test can ask which workers it holds ready."""
+"""A running `pagedserve gateway` (SMG) in front of stacks' gateway listeners, for the tests: started with
+deterministic routing and a control-plane key of its own, so that a test can ask which workers it holds
+ready, and with its metrics on a known port, so that a test can wait for the KV events it has applied."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import openai
 
 from services.launcher import free_port, http_ready
+from tests.clients import Scrape
 from tests.procs import REPO, Stack
 from tests.waiting import wait_until
 
@@ -24,8 +26,10 @@ class Gateway:
     def __init__(self, stacks: list[Stack], log_path: Path) -> None:
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_port = free_port("127.0.0.1")
         command = [sys.executable, "-m", "services.cli", "gateway", "--port", str(self.port)]
-        command += [arg for stack in stacks for arg in ("--stack", stack.address)]
+        command += ["--metrics-port", str(self.metrics_port)]
+        command += [arg for stack in stacks for arg in ("--stack", stack.gateway_address)]
         command += ["--health-check-interval", "1", "--log-level", "info", "--"]
         # Deterministic routing for the tests: no share of requests set aside for new workers, no shedding.
         command += ["--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"]
@@ -51,6 +55,15 @@ class Gateway:
         with urllib.request.urlopen(request, timeout=5) as reply:
             workers = json.load(reply)["workers"]
         return sum(worker["status"] == "ready" for worker in workers)
+
+    def stored_blocks(self, stack: Stack) -> float:
+        """The blocks SMG has applied from the stored events of stack's node (its KV index's view)."""
+        scrape = Scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        labels = {"worker": f"grpc://{stack.gateway_address}", "op": "stored"}
+        try:
+            return scrape("smg_kv_event_blocks_total", **labels)
+        except KeyError:  # none applied yet
+            return 0.0
 
     def describe(self) -> str:
         return f"the gateway to register every stack:\n{self.log_path.read_text(errors='replace')[-3000:]}"

@@ -27,7 +27,7 @@ from services.common.default_model import default_model_dir
 from tests.clients import Scrape, every_page_accounted
 from tests.integration.gateway import Gateway
 from tests.integration.streams import wait_for_idle_worker
-from tests.procs import REPO, Stack, start_stack
+from tests.procs import REPO, Stack, free_port, start_stack
 from tests.waiting import wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -41,7 +41,10 @@ def stacks() -> Iterator[list[Stack]]:
     """Two stacks; the last test kills the first, so only the second must stop cleanly."""
     default_model_dir()  # convert once before the processes race for it
     folders = [Path(tempfile.mkdtemp(prefix="ps-")) for _ in range(2)]
-    running = [start_stack(folder, "--kv-memory", "512MiB") for folder in folders]
+    running = [
+        start_stack(folder, "--kv-memory", "512MiB", "--gateway-address", f"127.0.0.1:{free_port()}")
+        for folder in folders
+    ]
     yield running
     for stack in running:
         stack.proc.poll() is None and stack.stop()
@@ -215,7 +218,8 @@ def test_the_bench_sends_a_stack_and_the_gateway_the_same_tokens(
     bench's ids (other prompt token counts would be errors in the run), each run on a flushed cache."""
     command = [sys.executable, "-m", "services.cli", "bench", "--target", f"direct={stacks[0].address}",
                "--target", f"smg={gateway.url}", "--prompts", "text", "--requests", "4", "--concurrency", "2",
-               "--input-len", "40-80", "--output-len", "4-8", "--out", str(tmp_path)]  # fmt: skip
+               "--input-len", "40-80", "--output-len", "4-8", "--out", str(tmp_path),
+               "--endpoints", str(stacks[0].run_dir / "endpoints.json")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     direct, through = json.loads((tmp_path / "bench.json").read_text())["runs"]
@@ -254,8 +258,11 @@ def test_requests_land_on_the_stack_whose_daemon_holds_their_prefix(
     can tell the gateway where it is."""
     for holder, prefix in ((stacks[1], PREFIX_B), (stacks[0], PREFIX_A)):
         warm = [{"role": "system", "content": prefix}, {"role": "user", "content": "Hello"}]
+        known = gateway.stored_blocks(holder)
         own(holder, pb.GenerateRequest(messages=messages(warm), sampling=pb.SamplingParams(max_tokens=1)))
-        time.sleep(1)  # the events reach the gateway
+        # The 16 pages (256 tokens) that each request below must find cached, as SMG applied them.
+        applied = lambda h=holder, k=known: gateway.stored_blocks(h) >= k + 16  # noqa: E731
+        wait_until(applied, 30, "the events to reach SMG")
         before = [prompt_tokens(stack) for stack in stacks]
         cached = [ask_with_prefix(gateway, prefix, f"Question {i}: name a colour.") for i in range(4)]
         after = [prompt_tokens(stack) for stack in stacks]

@@ -1,6 +1,8 @@
-"""SMG's vLLM worker protocol (vllm.grpc.engine.VllmEngine) on a real stack's frontend port, called with the
-stubs of smg-grpc-proto as SMG calls it: generation token-exact with pagedserve.v1, aborts that free pages,
-the model and tokenizer facts, and the node's KV events and cache flush from the memory daemon."""
+"""SMG's vLLM worker protocol (vllm.grpc.engine.VllmEngine) on a real stack's frontend, called with the
+stubs of smg-grpc-proto as SMG calls it: generation token-exact with pagedserve.v1, the model and tokenizer
+facts on the public port; aborts that free pages, and the node's KV events and cache flush from the memory
+daemon on the gateway's own listener (--gateway-address), the only one that serves them
+(tests/integration/test_control_surface.py shows the public port refusing them)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from tests.clients import every_page_accounted, pool_counts
 from tests.integration.streams import wait_for_idle_worker
-from tests.procs import Stack, module_stack
+from tests.procs import Stack, free_port, module_stack
 from tests.waiting import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # several full pages
@@ -26,13 +28,20 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # several full pag
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with module_stack() as running:
+    with module_stack("--gateway-address", f"127.0.0.1:{free_port()}") as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def vllm(stack: Stack) -> Iterator[vllm_engine_pb2_grpc.VllmEngineStub]:
     with grpc.insecure_channel(stack.address) as channel:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: Stack) -> Iterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    """The protocol as SMG reaches it: on the gateway listener, with the node's control surface."""
+    with grpc.insecure_channel(stack.gateway_address) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 
@@ -111,14 +120,14 @@ def test_n_samples_each_end_with_their_own_complete(vllm, ours) -> None:  # type
     } == by_index  # same seed, same samples
 
 
-def test_abort_ends_the_stream_and_frees_its_pages(stack: Stack, vllm, ours) -> None:  # type: ignore[no-untyped-def]
+def test_abort_ends_the_stream_and_frees_its_pages(stack: Stack, gateway, ours) -> None:  # type: ignore[no-untyped-def]
     ids = tokens(ours, PROMPT)
-    call = vllm.Generate(
+    call = gateway.Generate(
         generate(ids, True, request_id="long", max_tokens=2000, ignore_eos=True, temperature=0)
     )
     first = next(call)
     assert first.chunk.token_ids
-    vllm.Abort(vllm_engine_pb2.AbortRequest(request_ids=["long", "never-ran"]))
+    gateway.Abort(vllm_engine_pb2.AbortRequest(request_ids=["long", "never-ran"]))
     last = list(call)[-1]
     assert last.complete.finish_reason == "abort"
     wait_for_idle_worker(stack)
@@ -207,7 +216,8 @@ def test_the_tokenizer_comes_as_a_zip_with_its_fingerprint(vllm) -> None:  # typ
     assert not any(name.endswith(".safetensors") for name in names)
 
 
-def test_kv_events_follow_the_daemons_index_and_flush_empties_it(stack: Stack, vllm, ours) -> None:  # type: ignore[no-untyped-def]
+def test_kv_events_follow_the_daemons_index_and_flush_empties_it(stack: Stack, gateway, ours) -> None:  # type: ignore[no-untyped-def]
+    vllm = gateway
     vllm.FlushCache(common_pb2.FlushCacheRequest())
     assert pool_counts(stack.daemon_address).cached_pages == 0
     events = vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())

@@ -48,7 +48,7 @@ STACK = ("daemon", "worker", "frontend")
 
 def test_three_services_run_the_three_processes_and_smg_the_gateway(gpu: dict, cpu: dict) -> None:
     for services in (gpu, cpu):
-        assert set(services) == {*STACK, "smg"}
+        assert set(services) == {*STACK, "smg", "netns"}
         assert [services[name]["command"][:2] for name in (*STACK, "smg")] == [
             ["pagedserve", "daemon"],
             ["pagedserve", "worker"],
@@ -57,14 +57,21 @@ def test_three_services_run_the_three_processes_and_smg_the_gateway(gpu: dict, c
         ]
 
 
-def test_the_gateway_fronts_the_frontend_which_follows_the_daemons_cache(gpu: dict, cpu: dict) -> None:
+def test_the_gateway_alone_reaches_the_frontends_gateway_listener(gpu: dict, cpu: dict) -> None:
+    """The listener that serves the node's KV events, flush and aborts by id is on the loopback of a network
+    namespace that only the frontend and SMG share; SMG is pointed at it, the public port elsewhere."""
     for services in (gpu, cpu):
         frontend, smg = services["frontend"]["command"], services["smg"]["command"]
         assert frontend[frontend.index("--daemon") + 1] == "daemon:50052"  # KV events for the gateway
-        assert smg[smg.index("--stack") + 1] == "frontend:50051"
-        assert [(p["host_ip"], p["published"], p["target"]) for p in services["smg"]["ports"]] == [
-            ("127.0.0.1", "30000", 30000)
+        assert frontend[frontend.index("--gateway-address") + 1] == "127.0.0.1:50052"
+        assert frontend[frontend.index("--address") + 1] == "0.0.0.0:50051"
+        assert smg[smg.index("--stack") + 1] == "127.0.0.1:50052"
+        assert services["frontend"]["network_mode"] == services["smg"]["network_mode"] == "service:netns"
+        assert [name for name, s in services.items() if s.get("network_mode") == "service:netns"] == [
+            "frontend",
+            "smg",
         ]
+        assert services["netns"]["command"] == ["sleep", "infinity"] and services["netns"]["init"] is True
         assert services["smg"]["depends_on"]["frontend"]["condition"] == "service_healthy"
         assert "readiness" in services["smg"]["healthcheck"]["test"][-1]
 
@@ -93,20 +100,23 @@ def test_healthchecks_use_grpc_health_and_only_the_frontend_and_gateway_are_publ
         for name in STACK:
             assert services[name]["healthcheck"]["test"][1:3] == ["pagedserve", "health"]
         assert services["frontend"]["healthcheck"]["test"][-1] == "pagedserve.v1.Generation"
-        assert sorted(name for name, s in services.items() if s.get("ports")) == ["frontend", "smg"]
+        assert sorted(name for name, s in services.items() if s.get("ports")) == ["netns"]
         assert services["worker"]["depends_on"]["daemon"]["condition"] == "service_healthy"
         assert services["frontend"]["depends_on"]["worker"]["condition"] == "service_healthy"
 
 
 def test_every_service_takes_the_shared_secret_from_a_compose_secret(gpu: dict, cpu: dict) -> None:
     for services in (gpu, cpu):
-        for service in (services[name] for name in STACK):
+        for name in STACK:
+            service = services[name]
             command = service["command"]
             flags = dict(zip(command[2::2], command[3::2], strict=True))
             (mounted,) = service["secrets"]
             assert flags["--secret-file"] == mounted["target"] == "/run/secrets/pagedserve"
             assert flags["--metrics-host"] == "0.0.0.0"  # for a scraper on the compose network
-            assert flags["--metrics-port"] in service["expose"]
+            on_network = services["netns"] if name == "frontend" else service  # its namespace's
+            assert flags["--metrics-port"] in on_network["expose"]
+        assert not services["smg"].get("secrets") and not services["netns"].get("secrets")
     secret = compose_config("docker-compose.yml")["secrets"]["pagedserve"]
     assert secret["environment"] == "PAGEDSERVE_SECRET"  # from the shell that runs `docker compose up`
 
@@ -122,13 +132,15 @@ def test_only_the_frontend_and_the_gateway_are_published_on_loopback_and_the_res
         assert published == {
             "daemon": [],
             "worker": [],
-            "frontend": [("127.0.0.1", "50051", 50051)],  # PAGEDSERVE_BIND=0.0.0.0 serves every interface
-            "smg": [("127.0.0.1", "30000", 30000)],
+            "frontend": [],
+            "smg": [],
+            # The namespace the frontend and SMG share: the frontend's gRPC and SMG's OpenAI API, never the
+            # gateway listener (50052). PAGEDSERVE_BIND=0.0.0.0 serves every interface.
+            "netns": [("127.0.0.1", "50051", 50051), ("127.0.0.1", "30000", 30000)],
         }
         for name in ("daemon", "worker"):
             assert set(services[name]["networks"]) == {"internal"}
-        for name in ("frontend", "smg"):
-            assert set(services[name]["networks"]) == {"internal", "edge"}
+        assert set(services["netns"]["networks"]) == {"internal", "edge"}
     networks = compose_config("docker-compose.yml", "docker-compose.cpu.yml")["networks"]
     assert networks["internal"]["internal"] is True  # no route out, nothing published
     assert not networks["edge"].get("internal")

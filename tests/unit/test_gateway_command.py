@@ -1,11 +1,11 @@
-"""`pagedserve gateway` and `up --gateway`: the smg command line they build, and the settings they refuse."""
+"""`pagedserve gateway`: the smg command line it builds, and the settings it refuses (`up --gateway` on a real
+stack: tests/integration/test_control_surface.py)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +13,6 @@ import pytest
 
 from services import gateway
 from services.gateway import GatewayConfig, smg_binary, smg_command
-from tests.procs import REPO
 
 
 def flag(command: list[str], name: str) -> str:
@@ -43,24 +42,6 @@ def test_the_gateway_says_how_to_install_smg_when_it_is_missing(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(ValueError, match=re.escape("pip install 'smg==1.13.0'")):
         smg_binary()
-
-
-def test_up_refuses_a_gateway_in_front_of_tls_or_a_token(tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text("secret-token\n")
-    token.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    command = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--gateway",
-        "30000",
-        "--api-token-file",
-        str(token),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert done.returncode == 2 and "cannot go with TLS or a token" in done.stderr
 
 
 @pytest.mark.parametrize("stacks", [()])

@@ -40,7 +40,7 @@ GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 WORKER = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 OLDEST = "1.34.0"  # resource.k8s.io/v1
 PORT_NAME = re.compile(r"^(?=.*[a-z])(?!.*--)[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # IANA_SVC_NAME
-KINDS = ["ConfigMap", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+KINDS = ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "RoleBinding", "Service", "ServiceAccount"]
 RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
@@ -283,7 +283,10 @@ def test_smg_discovers_the_node_pods_by_label_with_the_rbac_it_needs(rendered: R
     assert (args.backend, args.service_discovery, args.model_path) == ("vllm", True, None)
     assert args.selector.items() <= rendered.pod("node")["metadata"]["labels"].items()
     assert not args.selector.items() <= gateway["metadata"]["labels"].items()
-    assert args.service_discovery_port == rendered.node["frontend"]["ports"][0]["containerPort"] == 50051
+    frontend = rendered.node["frontend"]
+    (listener,) = rendered.flags(frontend)["--gateway-address"]
+    gateway_port = next(p["containerPort"] for p in frontend["ports"] if p["name"] == "gateway")
+    assert args.service_discovery_port == gateway_port == int(listener.rsplit(":", 1)[1]) == 50052
     namespace = next(e for e in smg["env"] if e.get("valueFrom", {}).get("fieldRef"))
     assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert args.service_discovery_namespace == f"$({namespace['name']})"  # expanded by the kubelet
@@ -297,3 +300,31 @@ def test_smg_discovers_the_node_pods_by_label_with_the_rbac_it_needs(rendered: R
     service = rendered.one("Service", "pagedserve-gateway")
     assert service["spec"]["selector"].items() <= gateway["metadata"]["labels"].items()
     assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(30000, args.port)]
+
+
+def opens(rules: list[dict], port: int) -> bool:
+    """Whether one of these NetworkPolicy ingress rules names port (alone, or in a range to endPort)."""
+    return any(p["port"] <= port <= p.get("endPort", p["port"]) for rule in rules for p in rule["ports"])
+
+
+def test_only_the_gateways_pods_reach_the_frontends_gateway_listener(rendered: Rendered) -> None:
+    """The listener SMG discovers serves the node's control surface (every client's cached prompts as KV
+    events, flushes, aborts by id): the NetworkPolicy opens it to the gateway's Pods alone, and the public
+    port and the metrics to the cluster."""
+    policy = rendered.one("NetworkPolicy", "pagedserve-node")["spec"]
+    node, gateway = rendered.pod("node"), rendered.pod("gateway")
+    assert policy["podSelector"]["matchLabels"].items() <= node["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]  # what no rule admits is refused
+    frontend = rendered.node["frontend"]
+    public = int(rendered.flags(frontend)["--address"][0].rsplit(":", 1)[1])
+    listener = int(rendered.flags(frontend)["--gateway-address"][0].rsplit(":", 1)[1])
+    anyone = [rule for rule in policy["ingress"] if "from" not in rule]
+    assert opens(anyone, public) and not opens(anyone, listener)
+    metrics = [p["containerPort"] for c in rendered.node.values() for p in c.get("ports", [])]
+    assert all(opens(anyone, port) for port in metrics if port not in (public, listener)), metrics
+    (gated,) = [rule for rule in policy["ingress"] if "from" in rule]
+    assert [p["port"] for p in gated["ports"]] == [listener]
+    (source,) = gated["from"]
+    assert set(source) == {"podSelector"}  # Pods of this namespace, not a namespaceSelector or an ipBlock
+    assert source["podSelector"]["matchLabels"].items() <= gateway["metadata"]["labels"].items()
+    assert not source["podSelector"]["matchLabels"].items() <= node["metadata"]["labels"].items()
