@@ -1,7 +1,9 @@
 """A pool's memory: allocated and exported by the daemon, mapped zero-copy by workers.
 
 CPU: the pool is a file in /dev/shm, reserved with posix_fallocate so that a full /dev/shm fails at
-registration and not as a SIGBUS mid-decode. Workers map it with a plain shared mmap. Nothing here uses
+registration and not as a SIGBUS mid-decode. Every user can make files in /dev/shm, so a pool file's name
+holds 128 random bits beside the daemon's pid: another user who could plant a file under a name they can
+guess would stop the daemon from making its pool. Workers map it with a plain shared mmap. Nothing here uses
 multiprocessing.shared_memory, whose resource_tracker unlinks a segment when any process that attached to
 it exits. A worker trusts the path the daemon sends no further than it can check (`open_pool_file`): a pool
 file lies under the worker's --shm-dir, has a pool file's name, is a regular file (never followed through a
@@ -23,6 +25,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_SHM_NAME = re.compile(r"^pagedserve-kv-(\d+)-(\d+)\.bin$")
+_SHM_NAME = re.compile(r"^pagedserve-kv-\d+-\d+-[0-9a-f]{32}\.bin$")
+# remove_stale_files also takes the names daemons gave their files before the random token.
+_STALE_NAME = re.compile(r"^pagedserve-kv-(\d+)-\d+(?:-[0-9a-f]{32})?\.bin$")
+_NAME_TRIES = 4  # fresh names tried before giving up: a chance collision of 128 bits never happens
 SHM_DIR = "/dev/shm"  # where CPU pools live unless --shm-dir says otherwise
 
 
@@ -75,13 +81,13 @@ class Storage(Protocol):
 
 
 class ShmStorage:
-    """A pool file in a tmpfs folder, named after the daemon's pid so a dead daemon's files can be found."""
+    """A pool file in a tmpfs folder: pagedserve-kv-PID-ID-TOKEN.bin, with the daemon's pid so that a dead
+    daemon's files can be found, and a random token so that no other user can take the name first."""
 
     def __init__(self, folder: Path, pool_id: int, nbytes: int) -> None:
-        self.path = folder / f"pagedserve-kv-{os.getpid()}-{pool_id}.bin"
+        fd, self.path = _create_pool_file(folder, pool_id)
         self.label = f"shm:{self.path}"
         self.handle = ShmHandle(str(self.path))
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
@@ -98,11 +104,26 @@ class ShmStorage:
         self.path.unlink(missing_ok=True)
 
 
+def _create_pool_file(folder: Path, pool_id: int) -> tuple[int, Path]:
+    """A new file of this user's only (mode 0600) under a fresh name, never one that was there before."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(_NAME_TRIES):
+        path = folder / f"pagedserve-kv-{os.getpid()}-{pool_id}-{secrets.token_hex(16)}.bin"
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            log.warning("%s is taken already; trying another name", path)
+    raise PermissionDenied(
+        f"cannot make a pool file in {folder}: the {_NAME_TRIES} random names tried were all taken, which "
+        "chance alone does not do; see who else writes there, or give the daemon a --shm-dir of its own"
+    )
+
+
 def remove_stale_files(folder: Path) -> list[Path]:
     """Remove pool files left by daemons that died without cleaning up (SIGKILL, power loss)."""
     removed = []
     for path in folder.glob("pagedserve-kv-*.bin"):
-        match = _SHM_NAME.match(path.name)
+        match = _STALE_NAME.match(path.name)
         try:
             info = path.lstat()
         except FileNotFoundError:
@@ -194,7 +215,7 @@ def open_pool_file(path: str, nbytes: int, shm_dir: str | Path = SHM_DIR) -> mma
     if not os.path.isabs(path) or os.path.commonpath([root, real_folder]) != root:
         raise PermissionDenied(f"{why}: it is not under {shm_dir} (--shm-dir), where pools live")
     if not _SHM_NAME.match(name):
-        raise PermissionDenied(f"{why}: a pool file's name is pagedserve-kv-PID-ID.bin")
+        raise PermissionDenied(f"{why}: a pool file's name is pagedserve-kv-PID-ID-TOKEN.bin")
     dir_fd = os.open(real_folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)

@@ -5,8 +5,9 @@ a folder that no other user can write cannot be swapped for theirs, and a socket
 only its owner (and root). So:
 
 - `private_folder` makes or accepts a folder for the stack's sockets and files (`pagedserve up --run-dir`):
-  a real folder, not a symlink, owned by this user, with no permission for group or others (0700), under
-  ancestors that no other user can rename (`check_ancestors`).
+  a real folder, not a symlink, owned by this user, with no permission for group or others (0700), at the
+  end of a path on which no other user controls a folder or a symlink (`check_ancestors`, which walks the
+  path as given, one component at a time, and never resolves it first).
 - `write_private_file` writes a file there whole (a fresh name, then a rename), never through a symlink.
 - `check_socket_folder` is what a server checks before it listens on a unix socket, and
   `restrict_socket` makes the socket file 0600 once it is bound.
@@ -31,6 +32,7 @@ from pagedserve.plumbing.errors import PermissionDenied
 
 _OTHERS = stat.S_IRWXG | stat.S_IRWXO  # 0o077
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH  # 0o022
+_MAX_SYMLINKS = 40  # on one path, as the kernel allows (ELOOP)
 
 
 def trusted_uids() -> frozenset[int]:
@@ -48,22 +50,27 @@ def unix_socket_path(address: str) -> str | None:
 
 
 def check_ancestors(path: Path) -> None:
-    """Every folder above path belongs to this user or root, and others can write in it only when it is
-    sticky (as /tmp is), so that no other user can rename what lies below."""
-    for ancestor in Path(os.path.realpath(path)).parents:
-        info = os.stat(ancestor)
-        if info.st_uid not in trusted_uids():
-            raise PermissionDenied(f"{ancestor}, above {path}, belongs to uid {info.st_uid}")
-        if info.st_mode & _OTHERS_WRITE and not info.st_mode & stat.S_ISVTX:
-            raise PermissionDenied(
-                f"{ancestor}, above {path}, is writable by others (mode {_mode(info)}) and not sticky"
-            )
+    """Every folder above path, walked as given, is one that no other user controls.
+
+    Each component is looked at with lstat, never resolved first (os.path.realpath), and refused when
+    another user controls it: a folder that belongs to another user (not this one, not root), a folder
+    that others can write and that is not sticky (as /tmp is), or a symbolic link that belongs to another
+    user. A symlink of this user's or root's is followed and its target walked the same way, 40 at most
+    (the kernel's limit). A missing folder passes only where no other user could make it. Once every
+    component is this user's or root's, no other user can swap one, so what a later call reaches through
+    path is what was checked here.
+    """
+    absolute = Path(path).absolute()
+    _walk(absolute.parent, absolute)
 
 
 def check_folder(path: Path, *, private: bool) -> None:
     """path is a real folder (not a symlink) of this user's, or root's unless private, that no other user
-    can write in; with private, of this user's and closed to everyone else (0700)."""
-    info = os.lstat(path)
+    can write in, under ancestors that pass `check_ancestors`; with private, of this user's and closed to
+    everyone else (0700)."""
+    absolute = Path(path).absolute()
+    parent, parent_info = _walk(absolute.parent, absolute)
+    info = _lstat(parent / absolute.name, parent_info)
     if stat.S_ISLNK(info.st_mode):
         raise PermissionDenied(f"{path} is a symbolic link, not a folder")
     if not stat.S_ISDIR(info.st_mode):
@@ -75,15 +82,14 @@ def check_folder(path: Path, *, private: bool) -> None:
         raise PermissionDenied(f"{path} is open to others (mode {_mode(info)}); it must be 0700")
     if info.st_mode & _OTHERS_WRITE:
         raise PermissionDenied(f"{path} is writable by others (mode {_mode(info)})")
-    check_ancestors(path)
 
 
 def private_folder(path: str | Path) -> Path:
     """The folder at path, made with mode 0700 if it is missing; PermissionDenied if it is not private."""
     folder = Path(path).absolute()
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    parent, _ = _walk(folder.parent, folder, make=True)  # checked before anything is made on the way
     with contextlib.suppress(FileExistsError):
-        os.mkdir(folder, 0o700)
+        os.mkdir(parent / folder.name, 0o700)
     check_folder(folder, private=True)
     return folder
 
@@ -131,7 +137,10 @@ def check_unix_peer(address: str, timeout_s: float = 2.0) -> None:
     """Before sending the stack's secret to a unix socket: check that no other user can be listening there.
 
     Nothing to check for TCP. A socket that does not exist, or where nothing listens, passes: the call that
-    follows fails, and only this user (or root) could put a socket in such a folder meanwhile.
+    follows fails, and only this user (or root) could put a socket in such a folder meanwhile. The probe
+    here (SO_PEERCRED) and the caller's own connection happen at different times, and both go by the
+    path; since every folder and symlink on it is this user's or root's (`check_ancestors`), no other user
+    can swap one in between, so both reach the socket checked here.
     """
     path = unix_socket_path(address)
     if path is None:
@@ -156,6 +165,67 @@ def check_unix_peer(address: str, timeout_s: float = 2.0) -> None:
         raise PermissionDenied(f"{why}: cannot tell who listens there: {exc}") from None
     if uid is not None and uid not in trusted_uids():
         raise PermissionDenied(f"{why}: the process listening there (pid {pid}) runs as uid {uid}")
+
+
+def _walk(folder: Path, shown: Path, *, make: bool = False) -> tuple[Path, os.stat_result]:
+    """The real path of the absolute folder and its lstat, once every component on the way passed
+    (`check_ancestors`; shown is the path the messages name); make: make missing folders, as mkdir -p."""
+    real, info = Path("/"), os.lstat("/")
+    _check_walked(real, info, shown)
+    todo, links = list(reversed(folder.parts[1:])), 0
+    while todo:
+        name = todo.pop()
+        if name == "..":
+            real = real.parent  # real holds no symlink: this is the kernel's ".."
+            info = os.lstat(real)
+            continue
+        here = real / name
+        found = _lstat(here, info, make=make)
+        if not stat.S_ISLNK(found.st_mode):
+            _check_walked(here, found, shown)
+            real, info = here, found
+            continue
+        if found.st_uid not in trusted_uids():
+            raise PermissionDenied(
+                f"{here}, above {shown}, is a symbolic link that belongs to uid {found.st_uid}"
+            )
+        links += 1
+        if links > _MAX_SYMLINKS:
+            raise PermissionDenied(f"{shown}: more than {_MAX_SYMLINKS} symbolic links on the way")
+        target = Path(os.readlink(here))
+        if target.is_absolute():
+            real, info = Path("/"), os.lstat("/")
+            target = target.relative_to("/")
+        todo.extend(reversed(target.parts))
+    return real, info
+
+
+def _lstat(here: Path, parent: os.stat_result, *, make: bool = False) -> os.stat_result:
+    """here's lstat; when it is missing, made first with make, else FileNotFoundError, or PermissionDenied
+    where its folder (parent) is open to others: another user could make it theirs after the check."""
+    try:
+        return os.lstat(here)
+    except FileNotFoundError:
+        if make:
+            with contextlib.suppress(FileExistsError):  # made meanwhile, by whoever: checked as any
+                os.mkdir(here)
+            return os.lstat(here)
+        if parent.st_mode & _OTHERS_WRITE:
+            raise PermissionDenied(
+                f"{here} is missing, and others may make it in {here.parent} (mode {_mode(parent)})"
+            ) from None
+        raise
+
+
+def _check_walked(folder: Path, info: os.stat_result, shown: Path) -> None:
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionDenied(f"{folder}, above {shown}, is not a folder")
+    if info.st_uid not in trusted_uids():
+        raise PermissionDenied(f"{folder}, above {shown}, belongs to uid {info.st_uid}")
+    if info.st_mode & _OTHERS_WRITE and not info.st_mode & stat.S_ISVTX:
+        raise PermissionDenied(
+            f"{folder}, above {shown}, is writable by others (mode {_mode(info)}) and not sticky"
+        )
 
 
 def _listener(path: str, timeout_s: float) -> tuple[int | None, int | None]:

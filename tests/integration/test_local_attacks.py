@@ -1,11 +1,13 @@
-"""Another local user against a root-run stack: a run folder they made, a socket they swapped in, a pool
-file their fake daemon names. Real `pagedserve` processes, real sockets, and `nobody` as the other user
-(tests/second_user.py; skipped, saying why, without root or runuser)."""
+"""Another local user against a root-run stack: a run folder they made, a symlink of theirs on the way to
+root's own folder, a socket they swapped in, a pool file their fake daemon names. Real `pagedserve`
+processes, real sockets, and `nobody` as the other user (tests/second_user.py; skipped, saying why,
+without root or setpriv)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.common.default_model import default_model_dir
-from tests.procs import REPO, SECRET, free_port
+from tests.procs import REPO, SECRET, free_port, start_daemon
 from tests.second_user import (
     folder_of_second_user,
     python_as_second_user,
@@ -79,6 +81,58 @@ def test_up_refuses_a_run_folder_another_user_made(tmp_path: Path, their_folder:
     last_line = log_path.read_text().splitlines()[-1]
     assert status == 2 and last_line.startswith("pagedserve up: error: --run-dir "), log_path.read_text()
     assert f"belongs to uid {os.stat(their_folder).st_uid}" in last_line, last_line
+
+
+@pytest.mark.parametrize("command", ["up --run-dir", "daemon --address"])
+def test_a_run_folder_reached_through_another_users_symlink_is_refused(
+    tmp_path: Path, their_folder: Path, command: str
+) -> None:
+    """The way to a folder of root's goes through the other user's folder and symlink, which they can point
+    elsewhere at any time. Before: `up` and the daemon took it and served there."""
+    default_model_dir()
+    private = tmp_path / "private"
+    (private / "sockets").mkdir(parents=True, mode=0o700)
+    run_as_second_user("ln", "-s", str(private), str(their_folder / "link"))
+    prog, flag = command.split()
+    where = {"up": f"{their_folder}/link/run", "daemon": f"unix:{their_folder}/link/sockets/daemon.sock"}
+    extra = ["--port", str(free_port()), "--kv-memory", "64MiB"] if prog == "up" else []
+    log_path = tmp_path / "refused.log"
+    proc = start(pagedserve(prog, flag, where[prog], *extra), log_path)
+    try:
+        wait_until(lambda: exited_or(proc, log_path, "pagedserve is up", "serving on"), 300, "a refusal")
+    finally:
+        status = stop(proc)
+    last_line = log_path.read_text().splitlines()[-1]
+    assert status == 2 and last_line.startswith(f"pagedserve {prog}: error: {flag} "), last_line
+    assert f"{their_folder}, above {their_folder}/link/" in last_line, last_line
+    assert f"belongs to uid {os.stat(their_folder).st_uid}" in last_line, last_line
+    assert sorted(os.listdir(private)) == ["sockets"] and not os.listdir(private / "sockets")
+
+
+def test_a_worker_refuses_its_daemon_reached_through_another_users_symlink(
+    tmp_path: Path, run_dir: Path, their_folder: Path
+) -> None:
+    """Root's own daemon, through the other user's symlink: the secret would go wherever they point it
+    between the worker's check and its connection. Before: the worker attached."""
+    default_model_dir()
+    (run_dir / "sockets").mkdir(0o700)
+    daemon = start_daemon(run_dir, address=f"unix:{run_dir}/sockets/daemon.sock")
+    run_as_second_user("ln", "-s", str(run_dir), str(their_folder / "link"))
+    address = f"unix:{their_folder}/link/sockets/daemon.sock"
+    log_path = tmp_path / "worker.log"
+    proc = start(
+        pagedserve("worker", "--address", f"unix:{run_dir}/worker.sock", "--daemon", address), log_path
+    )
+    try:
+        wait_until(lambda: exited_or(proc, log_path, "serving on", "refusing to send"), 300,
+                   lambda: f"the worker to attach or give up:\n{log_path.read_text()}")  # fmt: skip
+    finally:
+        stop(proc)
+        assert daemon.stop() == 0
+        shutil.rmtree(daemon.shm_dir, ignore_errors=True)
+    log = log_path.read_text()
+    assert "serving on" not in log, "the worker attached to a daemon reached through another user's symlink"
+    assert f"refusing to send the stack's secret to {address}: {their_folder}, above " in log, log
 
 
 def impostor(tmp_path: Path, address: str, *pool: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -145,7 +199,7 @@ def test_the_frontend_sends_no_secret_to_a_socket_another_user_put_there(
 @pytest.fixture
 def their_pool_file() -> Iterator[Path]:
     """Where the other user's fake daemon makes a pool file of its own, named as the daemon names one."""
-    path = Path(f"/dev/shm/pagedserve-kv-{os.getpid()}-77.bin")
+    path = Path(f"/dev/shm/pagedserve-kv-{os.getpid()}-77-{os.urandom(16).hex()}.bin")
     yield path
     path.unlink(missing_ok=True)
 

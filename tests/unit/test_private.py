@@ -17,7 +17,12 @@ import pytest
 from pagedserve.plumbing.auth import check_serving_address
 from pagedserve.plumbing.errors import PermissionDenied
 from pagedserve.plumbing.private import check_unix_peer, private_folder, write_private_file
-from tests.second_user import python_as_second_user, run_as_second_user
+from tests.second_user import (
+    folder_of_second_user,
+    python_as_second_user,
+    remove_folder_of_second_user,
+    run_as_second_user,
+)
 from tests.waiting import wait_until
 
 NOBODY = 65534
@@ -75,6 +80,54 @@ def test_a_folder_under_one_others_can_rename_is_refused(home: Path) -> None:
         private_folder(home / "open" / "run")
 
 
+@pytest.fixture
+def their_folder() -> Iterator[Path]:
+    folder = folder_of_second_user()
+    yield folder
+    remove_folder_of_second_user(folder)
+
+
+@pytest.fixture
+def their_link_in_tmp(home: Path) -> Iterator[Path]:
+    """A symlink the other user put straight in /tmp (sticky, root's), to a folder of this user's."""
+    link = Path(f"/tmp/ps-link-{os.urandom(6).hex()}")
+    run_as_second_user("ln", "-s", str(home), str(link))
+    yield link
+    link.unlink()
+
+
+def test_a_run_folder_reached_through_another_users_symlink_is_refused(
+    home: Path, their_folder: Path, their_link_in_tmp: Path
+) -> None:
+    """Before: the folder passed, its ancestors checked only once the symlinks were resolved, and the other
+    user could point their link elsewhere at any time after the check."""
+    run_as_second_user("ln", "-s", str(home), str(their_folder / "link"))
+    with pytest.raises(
+        PermissionDenied, match=rf"^{their_folder}, above .*/link/run, belongs to uid {NOBODY}$"
+    ):
+        private_folder(their_folder / "link" / "run")
+    pattern = rf"^{their_link_in_tmp}, above .*, is a symbolic link that belongs to uid {NOBODY}$"
+    with pytest.raises(PermissionDenied, match=pattern):
+        private_folder(their_link_in_tmp / "run")
+    assert not (home / "run").exists(), "made a folder through another user's symlink"
+
+
+def test_a_symlink_of_this_user_is_followed_and_its_target_checked(home: Path) -> None:
+    (home / "real").mkdir(0o700)
+    (home / "link").symlink_to("real")
+    assert private_folder(home / "link" / "run") == home / "link" / "run"
+    assert mode(home / "real" / "run") == 0o700
+    (home / "open").mkdir()
+    (home / "open").chmod(0o777)
+    (home / "to-open").symlink_to(home / "open")
+    with pytest.raises(PermissionDenied, match=r"/open, above .*/to-open/run, is writable by others"):
+        private_folder(home / "to-open" / "run")
+    (home / "loop-a").symlink_to("loop-b")
+    (home / "loop-b").symlink_to("loop-a")
+    with pytest.raises(PermissionDenied, match="more than 40 symbolic links"):
+        private_folder(home / "loop-a" / "run")
+
+
 def test_files_are_written_whole_and_never_through_a_symlink(home: Path) -> None:
     target = home / "precious"
     target.write_text("mine\n")
@@ -111,6 +164,27 @@ def test_a_socket_in_a_folder_others_can_write_is_refused(home: Path, listener: 
         check_unix_peer(f"unix:{listener}")
 
 
+def test_a_socket_reached_through_another_users_symlink_is_refused(home: Path, their_folder: Path) -> None:
+    """This user's own socket, but the way to it is theirs: they could swap it for theirs at any time
+    between the check and the connection. Before: it passed."""
+    (home / "run").mkdir(0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(home / "run" / "s.sock"))
+        server.listen()
+        run_as_second_user("ln", "-s", str(home), str(their_folder / "link"))
+        address = f"unix:{their_folder}/link/run/s.sock"
+        with pytest.raises(PermissionDenied, match=rf"to {address}: {their_folder}, above .*belongs to uid"):
+            check_unix_peer(address)
+
+
+def test_a_socket_whose_folder_others_may_still_make_is_refused() -> None:
+    """Nothing at /tmp/NAME yet, so the call that follows would fail: unless another user makes the
+    folder and a socket in it meanwhile, since /tmp is open to all. Before: it passed."""
+    address = f"unix:/tmp/ps-missing-{os.urandom(6).hex()}/s.sock"
+    with pytest.raises(PermissionDenied, match=r"is missing, and others may make it in /tmp \(mode 1777\)"):
+        check_unix_peer(address)
+
+
 def test_a_file_that_is_not_a_socket_is_refused(home: Path) -> None:
     (home / "s.sock").write_text("")
     with pytest.raises(PermissionDenied, match="it is not a socket"):
@@ -125,7 +199,7 @@ LISTEN = (
 
 def test_a_socket_another_user_listens_on_is_refused(home: Path) -> None:
     """Their socket, moved into our folder and given to us: SO_PEERCRED still names its listener."""
-    python = python_as_second_user()  # skips without root or runuser
+    python = python_as_second_user()  # skips without root or setpriv
     theirs = Path(run_as_second_user("mktemp", "-d", "/tmp/ps-other-XXXXXX").stdout.strip())
     proc = subprocess.Popen([*python, "-c", LISTEN, f"{theirs}/s"])
     try:
