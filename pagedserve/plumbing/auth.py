@@ -69,11 +69,12 @@ def bearer_metadata(token: str | None) -> Metadata:
 
 
 class CredentialInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls whose metadata lacks the expected value under key, except health and reflection."""
+    """Refuses calls whose metadata lacks one of the expected values under key, except health and
+    reflection."""
 
-    def __init__(self, key: str, expected: str, what: str) -> None:
+    def __init__(self, key: str, expected: Sequence[str], what: str) -> None:
         self._key = key
-        self._expected = expected.encode()
+        self._expected = [value.encode() for value in expected]
         self._what = what
 
     async def intercept_service(
@@ -84,8 +85,9 @@ class CredentialInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_METHODS):
             return handler
-        given = dict(handler_call_details.invocation_metadata or ()).get(self._key, "")
-        if hmac.compare_digest(str(given).encode(), self._expected):
+        given = str(dict(handler_call_details.invocation_metadata or ()).get(self._key, "")).encode()
+        # Every value compared, in constant time each: how long a refusal takes tells nothing.
+        if sum(hmac.compare_digest(given, value) for value in self._expected):
             return handler
         return _refusing(handler, f"this server needs {self._what}")
 
@@ -96,7 +98,7 @@ def secret_interceptor(secret: str | None, address: str) -> Sequence[grpc.aio.Se
         if not address.startswith(("unix:", "127.", "localhost", "[::1]")):
             log.warning("no shared secret ($%s): anything that can reach %s may call it", SECRET_ENV, address)
         return ()
-    return (CredentialInterceptor(SECRET_KEY, secret, f"the stack's shared secret (${SECRET_ENV})"),)
+    return (CredentialInterceptor(SECRET_KEY, [secret], f"the stack's shared secret (${SECRET_ENV})"),)
 
 
 def check_serving_address(prog: str, secret: str | None, address: str) -> None:
@@ -125,14 +127,18 @@ def check_serving_address(prog: str, secret: str | None, address: str) -> None:
         raise SystemExit(2)
 
 
-def bearer_interceptor(token: str | None) -> Sequence[grpc.aio.ServerInterceptor]:
-    if token is None:
+def bearer_interceptor(tokens: Sequence[str]) -> Sequence[grpc.aio.ServerInterceptor]:
+    """The public frontend's guard: a call must carry one of tokens (none: no guard)."""
+    if not tokens:
         return ()
-    return (
-        CredentialInterceptor(
-            "authorization", f"Bearer {token}", "a bearer token: authorization: Bearer ..."
-        ),
-    )
+    expected = [f"Bearer {token}" for token in tokens]
+    return (CredentialInterceptor("authorization", expected, "a bearer token: authorization: Bearer ..."),)
+
+
+def bearer_tokens(text: str | None) -> tuple[str, ...]:
+    """The tokens in a token file's text: one a line; blank lines and lines starting with # are none."""
+    lines = (line.strip() for line in (text or "").splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

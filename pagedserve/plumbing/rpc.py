@@ -61,13 +61,16 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     local_address: str | None = None,
+    options: Sequence[tuple[str, int]] = (),
 ) -> RunningServer:
     """Start a grpc.aio server on address ("host:port" or "unix:/path") with health for service_names.
 
     interceptors (credential checks) run before the error interceptor; credentials make address serve TLS.
     local_address ("unix:/path") serves the same services without TLS, to this machine's own tools.
+    options: channel arguments that replace SERVER_OPTIONS' of the same name.
     """
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS)
+    chosen = dict(SERVER_OPTIONS) | dict(options)
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=list(chosen.items()))
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

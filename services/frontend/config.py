@@ -7,14 +7,19 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.plumbing.auth import API_TOKEN_ENV, read_secret_file, secret_setting
+from pagedserve.plumbing.auth import API_TOKEN_ENV, bearer_tokens, read_secret_file, secret_setting
 from pagedserve.plumbing.logs import log_level_setting
 from pagedserve.plumbing.metrics import MetricsSettings
 from pagedserve.plumbing.settings import check_settings, nested, not_negative, positive, setting
+from pagedserve.plumbing.sizes import parse_bytes
 
 
 def _unix_socket(address: str) -> str | None:
     return None if address.startswith("unix:") else f"must be a unix socket (unix:/path), got {address}"
+
+
+def _share(value: float) -> str | None:
+    return None if 0 < value <= 1 else f"must be more than 0 and at most 1, got {value}"
 
 
 def _host_and_port(address: str) -> str | None:
@@ -50,6 +55,28 @@ class FrontendConfig:
     max_waiting: int = setting(
         1024, "requests queued behind them; more are refused with RESOURCE_EXHAUSTED", check=not_negative
     )
+    client_share: float = setting(
+        0.5,
+        "the most of --max-running, and of --max-waiting, that one client (its bearer token, else its "
+        "address) may hold; the gateway listener's requests count toward the totals only",
+        check=_share,
+    )
+    min_priority: int = setting(
+        0, "the most favourable priority a request may ask for (lower runs first); lower is INVALID_ARGUMENT"
+    )
+    max_priority: int = setting(1000, "the least favourable priority a request may ask for")
+    max_message_bytes: int = setting(
+        4 * 2**20,
+        "the largest request message the public port takes; gRPC refuses a larger one with "
+        "RESOURCE_EXHAUSTED before reading it into a message",
+        flag="--max-message-size",
+        convert=parse_bytes,
+        check=positive,
+        shown_default="4MiB",
+    )
+    max_concurrent_streams: int = setting(
+        100, "calls one HTTP/2 connection may have open at once on the public port", check=positive
+    )
     default_max_tokens: int = setting(256, "max_tokens of a request that sets none", check=positive)
     tokenizer_threads: int = setting(2, "threads that tokenize requests; more wait for one", check=positive)
     drain_timeout_s: float = setting(
@@ -75,7 +102,7 @@ class FrontendConfig:
     secret: str | None = secret_setting()  # presented to workers
     api_token: str | None = setting(
         None,
-        "a file holding the bearer token that clients must present",
+        "a file holding the bearer tokens that clients must present, one a line (each a client of its own)",
         flag="--api-token-file",
         convert=read_secret_file,
         env=API_TOKEN_ENV,
@@ -100,6 +127,16 @@ class FrontendConfig:
             raise ValueError("the frontend needs at least one --worker")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.min_priority > self.max_priority:
+            raise ValueError(
+                f"--min-priority {self.min_priority} is above --max-priority {self.max_priority}"
+            )
+        if self.api_token is not None and not self.api_tokens:
+            raise ValueError("the --api-token-file holds no token")
+
+    @property
+    def api_tokens(self) -> tuple[str, ...]:
+        return bearer_tokens(self.api_token)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if self.tls_cert is None or self.tls_key is None:

@@ -23,9 +23,10 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2
 from services.common.wire import error_of
-from services.frontend.admission import Admission
+from services.frontend.admission import Admission, Client
 from services.frontend.detokenizer import TextStream
 from services.frontend.failover import Progress, next_worker
+from services.frontend.identity import ClientIdentity
 from services.frontend.metrics import RequestTracker
 from services.frontend.router import Output, Router, WorkerDown, WorkerLink
 from services.frontend.validation import (
@@ -50,13 +51,16 @@ class Shared:
         admission: Admission,
         builder: RequestBuilder,
         tokenizing: Executor,
+        clients: ClientIdentity,
         max_failovers: int = 0,
     ):
-        """max_failovers: how many times a request may move to another worker when its own fails."""
+        """clients: who a public call's client is, for its share of admission; max_failovers: how many
+        times a request may move to another worker when its own fails."""
         self.router = router
         self.max_failovers = max_failovers
         self.admission = admission
         self.builder = builder
+        self.clients = clients
         self.tokenizer: PreTrainedTokenizerBase = builder.tokenizer
         self.tokenizing = tokenizing
 
@@ -64,8 +68,11 @@ class Shared:
         """Off the event loop, on the bounded tokenizer threads: a long prompt takes a while."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function)
 
-    def start(self, request: generation_pb2.GenerateRequest, tracker: RequestTracker) -> list[Generation]:
+    def start(
+        self, request: generation_pb2.GenerateRequest, tracker: RequestTracker, client: Client
+    ) -> list[Generation]:
         """Check a request and start generating its samples; a bad request is refused here, before admission.
+        client: whose share of admission its samples take (None: the gateway's requests, which have none).
 
         Sample 0 leads: the others wait for its prompt's ids, then go to its worker, which computes the prompt
         once and finds its full pages in the prefix cache for them.
@@ -73,9 +80,10 @@ class Shared:
         limits = self.router.limits()
         check_sizes(request.prompt, request.messages, limits, len(request.prompt_token_ids))
         checked = self.builder.check(request, limits)
-        leader = Generation(self, checked, limits, tracker)
+        leader = Generation(self, checked, limits, tracker, client)
         return [leader] + [
-            Generation(self, checked, limits, tracker, (index, leader)) for index in range(1, checked.n)
+            Generation(self, checked, limits, tracker, client, (index, leader))
+            for index in range(1, checked.n)
         ]
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one per process, and the cache is the point
@@ -90,11 +98,13 @@ class Generation:
         checked: CheckedRequest,
         limits: ModelLimits,
         tracker: RequestTracker,
+        client: Client,
         sample: tuple[int, Generation] | None = None,
     ) -> None:
         """sample: for a sample after the first, its index and the first sample's Generation."""
         self._shared = shared
         self._tracker = tracker
+        self._client = client
         self._queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
         self.prompt_tokens = 0  # known once tokenized: before the first response
         self.first_prompt_token = 0  # likewise
@@ -116,7 +126,7 @@ class Generation:
     async def _run(self, checked: CheckedRequest, limits: ModelLimits) -> None:
         async def generate() -> None:
             self._tracker.queued()
-            async with self._shared.admission.slot(checked.request.priority):
+            async with self._shared.admission.slot(checked.request.priority, self._client):
                 self._tracker.admitted()
                 tokenize = functools.partial(self._shared.builder.tokenize, checked, limits)
                 await self._generate(await self._shared.run_tokenizer(tokenize))
@@ -132,7 +142,7 @@ class Generation:
 
         async def generate() -> None:
             leader, link, leader_id = await asyncio.shield(first.submitted)
-            async with self._shared.admission.slot(leader.priority):
+            async with self._shared.admission.slot(leader.priority, self._client):
                 await self._generate(sample_of(leader, self.index), (link, leader_id))
 
         await self._reporting(generate())

@@ -30,6 +30,7 @@ from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
 from services.frontend.generation import Shared
+from services.frontend.identity import ClientIdentity
 from services.frontend.metrics import track_admission
 from services.frontend.node_cache import NodeCache
 from services.frontend.router import Router
@@ -45,6 +46,7 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 # SMG's worker protocol
 VLLM_SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 _PUBLIC = (SERVICE_NAME, VLLM_SERVICE_NAME)  # what the public port's health tells
+MAX_METADATA_BYTES = 16 * 1024  # a request's headers, as HPACK decodes them
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -102,10 +104,15 @@ def _shared(
     router = Router(
         config.workers, model_id, on_change, secret=config.secret, timeout_s=config.worker_timeout_s
     )
-    builder = RequestBuilder(tokenizer, default_max_tokens=config.default_max_tokens)
-    admission = Admission(config.max_running, config.max_waiting)
+    builder = RequestBuilder(
+        tokenizer,
+        default_max_tokens=config.default_max_tokens,
+        priorities=(config.min_priority, config.max_priority),
+    )
+    admission = Admission(config.max_running, config.max_waiting, config.client_share)
     tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-    return Shared(router, admission, builder, tokenizing, config.max_failovers)
+    clients = ClientIdentity(config.api_tokens)
+    return Shared(router, admission, builder, tokenizing, clients, config.max_failovers)
 
 
 async def _start_public_port(
@@ -123,13 +130,21 @@ async def _start_public_port(
         )
         reflection.enable_server_reflection(names, server)
 
+    # Each client's bounds: calls at once on a connection, and the bytes gRPC reads before a message (and
+    # its headers) is refused, not parsed.
+    bounds = [
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ]
     return await start_server(
         config.address,
         register,
         [],
-        interceptors=bearer_interceptor(config.api_token),
+        interceptors=bearer_interceptor(config.api_tokens),
         credentials=config.server_credentials(),
         local_address=config.local_address,
+        options=bounds,
     )
 
 

@@ -39,7 +39,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         with RequestTracker(context) as tracker:
-            generations = self._shared.start(request, tracker)
+            generations = self._shared.start(request, tracker, self._shared.clients.of(context))
             try:
                 async for response in merged(generations):
                     tracker.responded(response)
@@ -55,7 +55,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument("Complete returns one completion: use Generate for n > 1 samples")
         whole = generation_pb2.GenerateResponse()
         with RequestTracker(context) as tracker:
-            (generation,) = self._shared.start(request, tracker)
+            (generation,) = self._shared.start(request, tracker, self._shared.clients.of(context))
             try:
                 async for response in generation.responses():
                     tracker.responded(response)
@@ -82,7 +82,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             work = functools.partial(builder.prompt_ids, "", [], list(request.messages))
         else:
             work = functools.partial(builder.text_ids, request.text, request.add_special_tokens)
-        async with self._shared.admission.slot(priority=0):
+        async with self._shared.admission.slot(0, self._shared.clients.of(context)):
             ids = await self._shared.run_tokenizer(work)
         return generation_pb2.TokenizeResponse(token_ids=ids)
 

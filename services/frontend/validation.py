@@ -60,10 +60,18 @@ class PreparedRequest:
 
 
 class RequestBuilder:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        default_max_tokens: int,
+        priorities: tuple[int, int] = (0, 1000),
+    ) -> None:
+        """priorities: the lowest (most favourable) and highest priority a request may ask for."""
         self.tokenizer = tokenizer
         self.chat = ChatRenderer(tokenizer)
         self.default_max_tokens = default_max_tokens
+        self.priorities = priorities
 
     def prepare(self, request: generation_pb2.GenerateRequest, limits: ModelLimits) -> PreparedRequest:
         return self.tokenize(self.check(request, limits), limits)
@@ -75,6 +83,7 @@ class RequestBuilder:
                 f"request_id is {len(request.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}"
             )
         _check_one_input(request.prompt, request.prompt_token_ids, request.messages)
+        _check_priority(request.priority, self.priorities)
         _check_tokens("prompt_token_ids", request.prompt_token_ids, limits.vocab_size)
         sampling = request.sampling
         _check_tokens("sampling.stop_token_ids", sampling.stop_token_ids, limits.vocab_size)
@@ -155,6 +164,15 @@ def check_sizes(
         raise ResourceExhausted(
             f"the prompt has {chars} characters, but the model's context is {limits.max_model_len} tokens, "
             f"which takes at most {most} characters ({CHARS_PER_TOKEN} a token); shorten the prompt"
+        )
+
+
+def _check_priority(priority: int, priorities: tuple[int, int]) -> None:
+    lowest, highest = priorities
+    if not lowest <= priority <= highest:
+        raise InvalidArgument(
+            f"priority is {priority}; this server takes {lowest} to {highest} (lower runs first), "
+            "a range its operator sets with --min-priority and --max-priority"
         )
 
 

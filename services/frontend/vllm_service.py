@@ -69,7 +69,9 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise InvalidArgument(f"request {request_id!r} is already running; give each request its own id")
         converted = vllm_request.request_of(request)
         with RequestTracker(context) as tracker:
-            generations = self._shared.start(converted, tracker)
+            # The gateway's requests are many users' (it limits them itself), a public caller's its own.
+            client = None if self._gateway else self._shared.clients.of(context)
+            generations = self._shared.start(converted, tracker, client)
             if self._gateway:
                 self._running[request_id] = generations
             answers = [SampleAnswer(generation, request.stream) for generation in generations]

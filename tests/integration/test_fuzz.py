@@ -95,7 +95,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=draw(mostly(st.text(max_size=32), st.text(max_size=300))),
         sampling=draw(sampling_params()),
-        priority=draw(int32),
+        priority=draw(mostly(st.integers(0, 1000), int32)),  # the frontend takes 0..1000
         **{name: draw(inputs[name]) for name in chosen},
     )
 

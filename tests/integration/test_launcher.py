@@ -139,7 +139,7 @@ def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 low = pool.submit(run, "low", 5)
                 queued(1)  # "low" queues first, "high" second
-                high = pool.submit(run, "high", -1)
+                high = pool.submit(run, "high", 0)
                 queued(2)
                 with pytest.raises(grpc.RpcError) as caught:
                     stub.Complete(generate_request(prompt="one too many", max_tokens=2))

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from services.frontend.admission import Admission
+from services.frontend.admission import Admission, Client
 
 T = TypeVar("T")
 TIMEOUT_S = 5.0
@@ -30,13 +30,13 @@ async def settle() -> None:
 class Gate:
     """A request that holds its slot until opened."""
 
-    def __init__(self, admission: Admission, priority: int = 0) -> None:
+    def __init__(self, admission: Admission, priority: int = 0, client: Client = "a") -> None:
         self.entered = False
         self._open = asyncio.Event()
-        self.task = asyncio.create_task(self._hold(admission, priority))
+        self.task = asyncio.create_task(self._hold(admission, priority, client))
 
-    async def _hold(self, admission: Admission, priority: int) -> None:
-        async with admission.slot(priority):
+    async def _hold(self, admission: Admission, priority: int, client: Client) -> None:
+        async with admission.slot(priority, client):
             self.entered = True
             await self._open.wait()
 
@@ -44,11 +44,13 @@ class Gate:
         self._open.set()
 
 
-def enqueue(admission: Admission, entered: list[str], name: str, priority: int = 0) -> asyncio.Task[None]:
+def enqueue(
+    admission: Admission, entered: list[str], name: str, priority: int = 0, client: Client = "a"
+) -> asyncio.Task[None]:
     """A request that records `name` in `entered` as soon as it gets its slot, then leaves."""
 
     async def request() -> None:
-        async with admission.slot(priority):
+        async with admission.slot(priority, client):
             entered.append(name)
 
     return asyncio.create_task(request(), name=name)

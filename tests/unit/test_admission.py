@@ -19,11 +19,13 @@ from tests.unit.admitting import Gate, assert_idle, enqueue_in_order, run, settl
 # Construction ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("max_running", "max_waiting"), [(0, 1), (-1, 1), (1, -1)])
-def test_invalid_construction(max_running: int, max_waiting: int) -> None:
+@pytest.mark.parametrize(
+    ("max_running", "max_waiting", "share"), [(0, 1, 1), (-1, 1, 1), (1, -1, 1), (1, 1, 0), (1, 1, 1.5)]
+)
+def test_invalid_construction(max_running: int, max_waiting: int, share: float) -> None:
     with pytest.raises(ValueError) as info:
-        Admission(max_running, max_waiting)
-    assert str(info.value) == "max_running must be positive and max_waiting not negative"
+        Admission(max_running, max_waiting, share)
+    assert str(info.value) == "max_running must be positive, max_waiting not negative, client_share in (0, 1]"
 
 
 def test_valid_construction() -> None:
@@ -133,7 +135,7 @@ def test_full_queue_refuses_at_once() -> None:
 
         for priority in (0, -100):  # a better priority does not get past a full queue
             with pytest.raises(ResourceExhausted) as info:
-                async with admission.slot(priority):
+                async with admission.slot(priority, "a"):
                     pytest.fail("a request past the queue bound got a slot")
             assert str(info.value) == "the server is full: 1 requests running and 2 queued; retry later"
             assert (admission.running, admission.waiting) == (1, 2)
@@ -152,7 +154,7 @@ def test_zero_waiting_refuses_when_running_is_full() -> None:
         gates = [Gate(admission), Gate(admission)]
         await settle()
         with pytest.raises(ResourceExhausted) as info:
-            async with admission.slot(0):
+            async with admission.slot(0, "a"):
                 pytest.fail("a request past the queue bound got a slot")
         assert str(info.value) == "the server is full: 2 requests running and 0 queued; retry later"
         assert (admission.running, admission.waiting) == (2, 0)

@@ -65,7 +65,7 @@ def test_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -> None
     async def scenario() -> None:
         admission = Admission(max_running=1, max_waiting=3)
         entered: list[str] = []
-        async with admission.slot(0):
+        async with admission.slot(0, "a"):
             tasks = await enqueue_in_order(admission, entered, [("a", 0), ("b", 0)])
             assert (admission.running, admission.waiting) == (1, 2)
         # Leaving the block handed the slot to "a", which has not run yet: cancel it now.
@@ -84,7 +84,7 @@ def test_slot_handed_to_the_last_waiter_cancelled_at_that_moment_is_freed() -> N
     async def scenario() -> None:
         admission = Admission(max_running=1, max_waiting=1)
         entered: list[str] = []
-        async with admission.slot(0):
+        async with admission.slot(0, "a"):
             only = enqueue(admission, entered, "only")
             await settle()
         only.cancel()
@@ -92,7 +92,7 @@ def test_slot_handed_to_the_last_waiter_cancelled_at_that_moment_is_freed() -> N
         assert only.cancelled()
         assert entered == []
         assert_idle(admission)
-        async with admission.slot(0):  # the slot is usable again
+        async with admission.slot(0, "a"):  # the slot is usable again
             assert admission.running == 1
         assert_idle(admission)
 
@@ -125,7 +125,7 @@ def test_exception_in_the_body_releases_the_slot() -> None:
     async def scenario() -> None:
         admission = Admission(max_running=1, max_waiting=1)
         with pytest.raises(RuntimeError) as info:
-            async with admission.slot(0):
+            async with admission.slot(0, "a"):
                 assert admission.running == 1
                 raise RuntimeError("boom")
         assert str(info.value) == "boom"
@@ -141,7 +141,7 @@ def test_exception_in_the_body_hands_the_slot_to_a_waiter() -> None:
         failing_can_go = asyncio.Event()
 
         async def failing() -> None:
-            async with admission.slot(0):
+            async with admission.slot(0, "a"):
                 await failing_can_go.wait()
                 raise RuntimeError("boom")
 

@@ -62,7 +62,7 @@ def test_set_fields_are_kept(builder: RequestBuilder) -> None:
         stop_token_ids=[2, 7],
         ignore_eos=True,
         logprobs=5,
-        priority=-3,
+        priority=3,
     )
     assert prepared.options == SamplingOptions(
         max_tokens=3,
@@ -79,7 +79,7 @@ def test_set_fields_are_kept(builder: RequestBuilder) -> None:
         logprobs=5,
     )
     assert prepared.stop == ("END", "世界")
-    assert prepared.priority == -3
+    assert prepared.priority == 3
 
 
 def test_explicit_zero_temperature_is_greedy(builder: RequestBuilder) -> None:

@@ -1,0 +1,44 @@
+"""Who a public client is, for its share of admission (`admission.Admission`): its bearer token when the
+frontend has tokens (one a line in --api-token-file, each a client of its own), else its peer's address.
+
+An address is one IPv4 address, or one IPv6 /64 (what one site is usually given, so that a client cannot
+multiply itself by its addresses); every caller of the frontend's own unix socket (this machine's tools,
+`pagedserve up`'s health checks) is one client. A token is named by a short hash, never by itself, since
+the name shows in refusals and logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Sequence
+
+import grpc
+
+from pagedserve.plumbing.peers import peer_address
+
+_BEARER = "Bearer "
+
+
+class ClientIdentity:
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self._tokens = frozenset(tokens)
+
+    def of(self, context: grpc.aio.ServicerContext) -> str:
+        """The client of a call that passed the bearer-token check, if the frontend has one."""
+        if self._tokens:
+            given = dict(context.invocation_metadata() or ()).get("authorization", "")
+            token = str(given).removeprefix(_BEARER)
+            return f"token {hashlib.sha256(token.encode()).hexdigest()[:12]}"
+        return address_of(context.peer())
+
+
+def address_of(peer: str) -> str:
+    """The client a peer ("ipv4:198.51.100.7:5000", "ipv6:[2001:db8::1]:5000", "unix:...") counts as."""
+    address = peer_address(peer)
+    if address is None:
+        return "this machine's unix socket"
+    host = address[0]
+    if isinstance(host, ipaddress.IPv6Address):
+        return str(ipaddress.ip_network(f"{host}/64", strict=False))
+    return str(host)
