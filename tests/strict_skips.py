@@ -1,0 +1,35 @@
+"""A pytest plugin for CI: with $PAGEDSERVE_STRICT_SKIPS set, the session fails when a test skips that is
+not allowed to, so that a test CI relies on (a local-attacker test, a root-only test, a C++ kernel's parity
+case) can never skip unseen. Only the tests marked `gpu` may skip (where there is no CUDA device): every
+other skip is listed with its reason, and the run's status becomes 1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ENV = "PAGEDSERVE_STRICT_SKIPS"
+ALLOWED_MARKER = "gpu"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not os.environ.get(ENV) or reporter is None:
+        return
+    refused = [
+        f"  {report.nodeid}: {_reason(report)}"
+        for report in reporter.stats.get("skipped", [])
+        if ALLOWED_MARKER not in report.keywords
+    ]
+    if refused:
+        heading = (
+            f"${ENV}: {len(refused)} tests skipped that must run here (only `{ALLOWED_MARKER}` tests may):"
+        )
+        reporter.write_line("\n".join([heading, *refused]), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _reason(report: pytest.TestReport) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
