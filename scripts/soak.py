@@ -7,7 +7,10 @@ folder, with a fresh shared secret so that it can ask the daemon and the workers
 threads send the public API a mix of requests: greedy and sampled, with stop strings and stop tokens,
 priorities, logprobs, cancelled, past their deadline, and bad inputs. Each kind has the final gRPC statuses
 it may end with; any other, UNAVAILABLE included (with failover no client sees a worker die), is an error.
-Every --kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn; `up` restarts it.
+Every --kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn; `up` restarts it. Just
+before, two greedy and two seeded probe calls start, and the kill waits until each is streaming. After the
+traffic, every greedy or seeded call (probes, and the greedy, sampled and stops kinds) that a kill came
+during, as it came during every call that moved, is rerun on the quiet stack: it must give the same tokens.
 
 Every --sample-every seconds it records the resident memory (VmRSS) of each process of the stack; a
 restarted worker starts a new series. A series that lasted --judge-fraction of the run must have stopped
@@ -26,6 +29,7 @@ of this holds, else it says why and shows the stack's log tail.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -47,7 +51,7 @@ from typing import Any, NamedTuple
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from soak_memory import Series, judge_memory, sample_loop, stack_processes
-from soak_traffic import KINDS, Done, client_loop
+from soak_traffic import KINDS, Done, client_loop, rerun_moved, start_probes
 
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.auth import SECRET_ENV, secret_metadata
@@ -60,9 +64,11 @@ from services.launcher import die_with_parent
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kill_loop(run_dir: Path, every_s: float, kills: list[dict], stop: threading.Event, t0: float) -> None:
-    """SIGKILL worker-0, then worker-1, and so on, every every_s seconds."""
+def kill_loop(run_dir: Path, every_s: float, kills: list[dict], before: Callable[[int], None],
+              stop: threading.Event, t0: float) -> None:  # fmt: skip
+    """SIGKILL worker-0, then worker-1, and so on, every every_s seconds, each after before(kill number)."""
     while not stop.wait(every_s):
+        before(len(kills))
         name = f"worker-{len(kills) % 2}"
         pids = [pid for pid, role in stack_processes(run_dir).items() if role == name]
         for pid in pids:
@@ -174,7 +180,9 @@ def soak(args: argparse.Namespace, stack: Stack, endpoints: dict, secret: str, r
     run_dir, address = stack.folder / "run", endpoints["frontend"]["address"]
     loops: list[tuple[Callable[..., None], tuple]] = [(sample_loop, (run_dir, args.sample_every, series))]
     loops += [(client_loop, (address, args.seed + i, done)) for i in range(args.concurrency)]
-    loops += [(kill_loop, (run_dir, args.kill_every, report["kills"]))] if args.kill_every > 0 else []
+    probes: list[threading.Thread] = []
+    probe = functools.partial(start_probes, address, done, args.seed + 1000, t0, probes)
+    loops += [(kill_loop, (run_dir, args.kill_every, report["kills"], probe))] if args.kill_every > 0 else []
     threads = [threading.Thread(target=loop, args=(*rest, stop, t0), daemon=True) for loop, rest in loops]
     for thread in threads:
         thread.start()
@@ -183,6 +191,8 @@ def soak(args: argparse.Namespace, stack: Stack, endpoints: dict, secret: str, r
     finally:
         stop.set()
         for thread in threads:
+            thread.join(timeout=180)
+        for thread in probes:  # started by the kill loop, which has ended
             thread.join(timeout=180)
     report["requests"] = {name: dict(Counter(out.code for k, out in done if k == name)) for name in KINDS}
     report["unexpected"] = [
@@ -194,6 +204,7 @@ def soak(args: argparse.Namespace, stack: Stack, endpoints: dict, secret: str, r
     report["rss_series"] = {f"{role} {pid}": [(round(t), rss, shm) for t, rss, shm in points]
                             for pid, (role, points) in series.items()}  # fmt: skip
     report["pages"] = wait_settled(secret, endpoints)
+    report["reruns"] = rerun_moved(address, done, [kill["t_s"] for kill in report["kills"]])
     report["metrics"] = scrape(endpoints["frontend"]["metrics"])
 
 
@@ -201,6 +212,8 @@ def failures(report: dict) -> list[str]:
     pages, stop = report.get("pages", {}), report["stop"]
     found = [f"crashed: {report['crash']}"] if "crash" in report else []
     found += [f"{len(report['unexpected'])} unexpected outcomes"] if report.get("unexpected") else []
+    differ = report.get("reruns", {}).get("differ")
+    found += [f"{len(differ)} calls a kill came during differ from an uninterrupted rerun"] if differ else []
     found += [f"{row['process']} (pid {row['pid']}) grew {row['growth_mib']} MiB, over {row['allowed_mib']}"
               for row in report.get("memory", []) if not row["ok"]]  # fmt: skip
     if "crash" not in report and not (pages.get("idle") and pages.get("every_page_back")):
@@ -221,6 +234,10 @@ def print_summary(report: dict) -> None:
         print(f"  {line}")
     kills = [f"{kill['worker']} {kill['pids']} at {kill['t_s']}s" for kill in report["kills"]]
     print(f"worker kills: {len(kills)} {', '.join(kills)}")
+    reruns = report.get("reruns", {"checked": {}, "differ": []})
+    print(f"calls a kill came during, rerun: {sum(reruns['checked'].values())} {reruns['checked']}; differ:")
+    for line in reruns["differ"][:20]:
+        print(f"  {line}"[:600])
     columns = ("span_s", "start_mib", "middle_mib", "end_mib", "shm_end_mib", "growth_mib")
     print(f"\n  {'VmRSS, MiB':16} {'pid':>8}" + "".join(f"{c.removesuffix('_mib'):>9}" for c in columns))
     for row in report.get("memory", []):
