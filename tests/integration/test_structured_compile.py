@@ -1,27 +1,30 @@
-"""A grammar that takes seconds to compile, on a real stack: it is compiled on the worker's compiler thread,
-so requests without one, and the worker's heartbeats, go on meanwhile; a client that gives up during the
-compile leaves nothing behind."""
+"""A grammar that takes seconds to compile, on a real stack's worker, over a Connect stream as a frontend
+holds it: it is compiled on the worker's compiler thread, so requests without one, and the worker's
+heartbeats, go on meanwhile; a request aborted during the compile leaves nothing behind.
+
+The worker reads a stream's messages in order, and a message's submits before its aborts: that, and the
+outputs of requests sent after the slow one, order the events; no test sleeps.
+"""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
-from pagedserve.v1 import generation_pb2_grpc
+from pagedserve.worker.v1 import worker_pb2
 from tests.clients import every_page_accounted
-from tests.integration.streams import wait_for_idle_worker
+from tests.integration.streams import wait_for_idle_worker, worker_load
+from tests.integration.worker_stream import WorkerStream, submit_of, tokens
 from tests.procs import Stack, module_stack
 
 # About 1500 optional integer properties: seconds for xgrammar to compile, far under the 64 KiB bound.
 SLOW_SCHEMA = json.dumps(
     {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1500)}}
 )
+PROMPT = [32, 9485, 1743, 42]  # any few tokens
 
 
 @pytest.fixture(scope="module")
@@ -30,47 +33,61 @@ def stack() -> Iterator[Stack]:
         yield running
 
 
-def slow(max_tokens: int) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(
-        max_tokens=max_tokens, temperature=0, structured=pb.StructuredOutput(json_schema=SLOW_SCHEMA)
-    )
-    return pb.GenerateRequest(prompt="A JSON object:", sampling=sampling)
+@pytest.fixture
+def stream(stack: Stack) -> Iterator[WorkerStream]:
+    connection = WorkerStream(stack.worker_address())
+    yield connection
+    connection.close()
 
 
-def test_requests_without_a_grammar_pass_a_slow_compile(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        events: list[str] = []
+def slow(max_tokens: int, schema: str = SLOW_SCHEMA) -> pb.SamplingParams:
+    structured = pb.StructuredOutput(json_schema=schema)
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0, structured=structured)
 
-        def constrained() -> None:
-            for response in stub.Generate(slow(8), timeout=300):
-                events.append("constrained" if response.token_ids else "constrained-empty")
 
-        thread = threading.Thread(target=constrained)
-        thread.start()
-        time.sleep(0.5)  # the constrained request reaches the worker first
-        free = stub.Complete(pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=4)))
-        events.append("free")
-        thread.join(timeout=300)
-    assert len(free.token_ids) == 4
-    assert events[0] == "free" and "constrained" in events, events  # done while the grammar compiled
+def free(max_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def test_requests_without_a_grammar_pass_a_slow_compile(stack: Stack, stream: WorkerStream) -> None:
+    # One message: the constrained request reaches the worker first. Once "free" is done, its compile is
+    # under way, and "later" comes in the middle of it.
+    submits = [submit_of("slow", PROMPT, slow(8)), submit_of("free", PROMPT, free(4))]
+    stream.send(worker_pb2.WorkerRequest(submit=submits))
+    events: list[str] = []
+    while not {"slow done", "later done"} <= set(events):
+        message = stream.next_message()
+        if not message.outputs:
+            events.append("heartbeat")
+        for output in message.outputs:
+            events.append(output.request_id + (" done" if output.finish_reason else ""))
+            if events[-1] == "free done":
+                stream.submit("later", PROMPT, free(4))
+    free_done = events.index("free done")
+    constrained = next(i for i, event in enumerate(events) if event.startswith("slow"))
+    assert free_done < events.index("later done") < constrained, events  # done while the grammar compiled
+    # A compile that held up the worker's event loop would leave room for one overdue beat at most.
+    assert events[free_done:constrained].count("heartbeat") >= 2, events
     wait_for_idle_worker(stack)
     assert every_page_accounted(stack.daemon_address)
 
 
-def test_a_client_that_leaves_during_the_compile_leaves_nothing_behind(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        schema = SLOW_SCHEMA.replace('"p0"', '"q0"')  # not in the cache
-        request = slow(2000)
-        request.sampling.structured.json_schema = schema
-        with pytest.raises(grpc.RpcError) as ended:
-            list(stub.Generate(request, timeout=1.0))
-        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # The same schema again, short: it waits on the compiler thread for the first compile, then finds it
-        # in the cache. By then the abandoned request would be running, had the worker submitted it.
-        again = slow(2)
-        again.sampling.structured.json_schema = schema
-        assert len(stub.Complete(again, timeout=300).token_ids) == 2
+def test_a_request_aborted_during_the_compile_leaves_nothing_behind(
+    stack: Stack, stream: WorkerStream
+) -> None:
+    schema = SLOW_SCHEMA.replace('"p0"', '"q0"')  # not in the cache
+    stream.submit("abandoned", PROMPT, slow(2000, schema))
+    # Once a later request's outputs are back, the worker has read the submit and its compile is under way.
+    stream.submit("probe", PROMPT, free(1))
+    before = stream.collect({"probe"})
+    stream.abort("abandoned")
+    # The same schema again, short: it waits on the compiler thread for the first compile, then finds it in
+    # the cache. By then the abandoned request would be running, had the worker submitted it.
+    stream.submit("again", PROMPT, slow(2, schema))
+    after = stream.collect({"again"})
+    assert len(tokens(after["again"])) == 2
+    assert {*before, *after} == {"probe", "again"}, "the abandoned request sent outputs: it ran"
+    load = worker_load(stack)
+    assert (load.running, load.waiting) == (0, 0), load
     wait_for_idle_worker(stack)
     assert every_page_accounted(stack.daemon_address)

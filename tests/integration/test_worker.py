@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import queue
 import shutil
 import tempfile
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,54 +17,12 @@ from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
-from services.common.wire import sampling_to_pb
 from tests.clients import every_page_accounted, internal_channel, pool_counts
+from tests.integration.worker_stream import WorkerStream, tokens
 from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
 from tests.waiting import wait_until
 
 Reason = generation_pb2.GenerateResponse.FinishReason
-
-
-class WorkerStream:
-    """One Connect stream, as a frontend holds it."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = internal_channel(address)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self._requests: queue.Queue[worker_pb2.WorkerRequest | None] = queue.Queue()
-        self._responses = self.stub.Connect(iter(self._requests.get, None))
-
-    def submit(
-        self, request_id: str, prompt: list[int], options: SamplingOptions | generation_pb2.SamplingParams
-    ) -> None:
-        sampling = sampling_to_pb(options) if isinstance(options, SamplingOptions) else options
-        submit = worker_pb2.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
-        self._requests.put(worker_pb2.WorkerRequest(submit=[submit]))
-
-    def abort(self, request_id: str) -> None:
-        self._requests.put(worker_pb2.WorkerRequest(abort=[request_id]))
-
-    def next_outputs(self) -> list[worker_pb2.RequestOutput]:
-        return list(next(self._responses).outputs)
-
-    def collect(self, request_ids: set[str]) -> dict[str, list[worker_pb2.RequestOutput]]:
-        """Read until every request in request_ids has finished."""
-        outputs: dict[str, list[worker_pb2.RequestOutput]] = defaultdict(list)
-        pending = set(request_ids)
-        while pending:
-            for output in self.next_outputs():
-                outputs[output.request_id].append(output)
-                if output.finish_reason:
-                    pending.discard(output.request_id)
-        return outputs
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self.channel.close()
-
-
-def tokens(outputs: list[worker_pb2.RequestOutput]) -> list[int]:
-    return [token for output in outputs for token in output.token_ids]
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +96,14 @@ def test_greedy_tokens_and_logprobs_match_transformers(
             output_logits=True,
             return_dict_in_generate=True,
         )
-        assert tokens(outputs[request_id]) == expected.sequences[0, len(prompt) :].tolist(), request_id
+        generated = tokens(outputs[request_id])
+        assert generated == expected.sequences[0, len(prompt) :].tolist(), request_id
         reference = torch.log_softmax(torch.cat(expected.logits).float(), dim=-1)
         logprobs = [lp for output in outputs[request_id] for lp in output.logprobs]
-        for step, lp in enumerate(logprobs):
-            assert abs(lp.logprob - reference[step, lp.token_id].item()) < 1e-3
+        assert len(logprobs) == len(generated) == 24, f"{request_id}: {len(logprobs)} logprobs"
+        for step, (lp, token) in enumerate(zip(logprobs, generated, strict=True)):
+            assert lp.token_id == token
+            assert abs(lp.logprob - reference[step, token].item()) < 1e-3
             assert [top.token_id for top in lp.top] == reference[step].topk(3).indices.tolist()
         last = outputs[request_id][-1]
         assert (last.finish_reason, last.prompt_tokens) == (Reason.LENGTH, len(prompt))
