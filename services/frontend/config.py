@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
-from pathlib import Path
-
-import grpc
 
 from pagedserve.plumbing.auth import API_TOKEN_ENV, bearer_tokens, read_secret_file, secret_setting
 from pagedserve.plumbing.logs import log_level_setting
@@ -138,8 +136,12 @@ class FrontendConfig:
     def api_tokens(self) -> tuple[str, ...]:
         return bearer_tokens(self.api_token)
 
-    def server_credentials(self) -> grpc.ServerCredentials | None:
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The public port's TLS, which the HTTP/2 guard in front of gRPC terminates (`h2_guard`)."""
         if self.tls_cert is None or self.tls_key is None:
             return None
-        pair = (Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())
-        return grpc.ssl_server_credentials([pair])
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2  # what gRPC asks for
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        context.set_alpn_protocols(["h2"])  # gRPC clients insist on it
+        return context

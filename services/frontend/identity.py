@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -21,8 +21,10 @@ _BEARER = "Bearer "
 
 
 class ClientIdentity:
-    def __init__(self, tokens: Sequence[str]) -> None:
+    def __init__(self, tokens: Sequence[str], peer_of: Callable[[str], str] = lambda peer: peer) -> None:
+        """peer_of: the client's address behind a call's peer (the public port's HTTP/2 guard relays them)."""
         self._tokens = frozenset(tokens)
+        self._peer_of = peer_of
 
     def of(self, context: grpc.aio.ServicerContext) -> str:
         """The client of a call that passed the bearer-token check, if the frontend has one."""
@@ -30,7 +32,7 @@ class ClientIdentity:
             given = dict(context.invocation_metadata() or ()).get("authorization", "")
             token = str(given).removeprefix(_BEARER)
             return f"token {hashlib.sha256(token.encode()).hexdigest()[:12]}"
-        return address_of(context.peer())
+        return address_of(self._peer_of(context.peer()))
 
 
 def address_of(peer: str) -> str:

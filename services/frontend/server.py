@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +32,7 @@ from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
 from services.frontend.generation import Shared
+from services.frontend.h2_guard import GuardedPort
 from services.frontend.identity import ClientIdentity
 from services.frontend.metrics import track_admission
 from services.frontend.node_cache import NodeCache
@@ -57,7 +60,14 @@ async def serve(config: FrontendConfig) -> None:
     tokenizer = await asyncio.to_thread(PreTrainedTokenizerFast.from_pretrained, model_dir)
     model_id = model_identity(model_dir)
     workers_changed = asyncio.Event()
-    shared = _shared(config, tokenizer, model_id, workers_changed.set)
+    # gRPC's own listener, behind the HTTP/2 guard that takes the public port, in a folder of this process's.
+    inner = tempfile.mkdtemp(prefix="pagedserve-frontend-")
+    guard = GuardedPort(
+        f"{inner}/grpc.sock", max_block_bytes=2 * MAX_METADATA_BYTES, tls=config.tls_context()
+    )
+    shared = _shared(
+        config, tokenizer, model_id, workers_changed.set, ClientIdentity(config.api_tokens, guard.peer_of)
+    )
     router, admission, tokenizing = shared.router, shared.admission, shared.tokenizing
     service = GenerationService(shared, model_id, config.drain_timeout_s)
     facts = await asyncio.to_thread(ModelFacts, model_dir, model_id, tokenizer)
@@ -65,7 +75,7 @@ async def serve(config: FrontendConfig) -> None:
         track_admission(admission)
         config.metrics.serve()
 
-    public = await _start_public_port(config, service, _vllm_service(config, shared, facts))
+    public = await _start_public_port(config, service, _vllm_service(config, shared, facts), guard)
     servers: list[tuple[RunningServer, tuple[str, ...]]] = [(public, _PUBLIC)]
     if config.gateway_address:
         servers.append((await _start_gateway_listener(config, shared, facts), (VLLM_SERVICE_NAME,)))
@@ -90,15 +100,21 @@ async def serve(config: FrontendConfig) -> None:
     try:
         await stop.wait()
         log.info("shutting down: draining requests for up to %.0fs", config.shutdown_grace_s)
+        await guard.stop()  # no new connections; those open drain through it
         await asyncio.gather(*(running.stop(config.shutdown_grace_s) for running, _ in servers))
     finally:
         health_task.cancel()
         await router.stop()
         tokenizing.shutdown(cancel_futures=True)
+        shutil.rmtree(inner, ignore_errors=True)
 
 
 def _shared(
-    config: FrontendConfig, tokenizer: PreTrainedTokenizerFast, model_id: str, on_change: Callable[[], None]
+    config: FrontendConfig,
+    tokenizer: PreTrainedTokenizerFast,
+    model_id: str,
+    on_change: Callable[[], None],
+    clients: ClientIdentity,
 ) -> Shared:
     """What every generation shares; on_change: called when a worker comes or goes."""
     router = Router(
@@ -111,14 +127,14 @@ def _shared(
     )
     admission = Admission(config.max_running, config.max_waiting, config.client_share)
     tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-    clients = ClientIdentity(config.api_tokens)
     return Shared(router, admission, builder, tokenizing, clients, config.max_failovers)
 
 
 async def _start_public_port(
-    config: FrontendConfig, service: GenerationService, vllm_service: VllmEngineService
+    config: FrontendConfig, service: GenerationService, vllm_service: VllmEngineService, guard: GuardedPort
 ) -> RunningServer:
-    """pagedserve.v1, SMG's protocol without the control surface, health and reflection on --address."""
+    """pagedserve.v1, SMG's protocol without the control surface, health and reflection on --address,
+    through the HTTP/2 guard (and its TLS), and on --local-address straight."""
 
     def register(server: object) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -137,15 +153,15 @@ async def _start_public_port(
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
     ]
-    return await start_server(
-        config.address,
+    running = await start_server(
+        f"unix:{guard.inner_path}",
         register,
         [],
         interceptors=bearer_interceptor(config.api_tokens),
-        credentials=config.server_credentials(),
         local_address=config.local_address,
         options=bounds,
     )
+    return RunningServer(running.server, running.health, await guard.start(config.address))
 
 
 def _vllm_service(

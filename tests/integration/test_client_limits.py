@@ -89,7 +89,7 @@ def test_a_client_with_300_streams_at_the_best_priority_leaves_room_for_another(
             channel.close()
     wait_until(lambda: admission(stack) == (0, 0), 60, "the hog's calls to end")
     wait_for_idle_worker(stack, timeout_s=60)
-    assert every_page_accounted(stack.daemon_address)
+    wait_until(lambda: every_page_accounted(stack.daemon_address), 30, "every page back")
 
 
 @pytest.mark.parametrize("priority", [-1, -(2**31), 1001])

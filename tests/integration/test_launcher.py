@@ -115,7 +115,16 @@ def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
 ) -> None:
     worker = two_workers.worker_address(0)
     metrics = free_port()
-    limits = ("--max-running", "1", "--max-waiting", "2", "--metrics-port", str(metrics))
+    limits = (
+        "--max-running",
+        "1",
+        "--max-waiting",
+        "2",
+        "--client-share",
+        "1",
+        "--metrics-port",
+        str(metrics),
+    )
     address, frontend = start_frontend(tmp_path, "--worker", worker, *limits)
 
     def waiting() -> float:

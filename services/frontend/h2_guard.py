@@ -1,0 +1,221 @@
+"""The public port's HTTP/2 guard: gRPC core reads a header block that never ends to its end.
+
+A client may open a header block (HEADERS without END_HEADERS) and follow it with CONTINUATION frames
+forever; gRPC core (1.85) refuses the stream once its metadata passes the limit, but keeps reading the
+block, and its memory grows with the bytes (hundreds of MiB a connection: the CONTINUATION flood of
+CVE-2024-27316). So the public port is this guard's: it takes each TCP connection (and its TLS, when the
+frontend has a certificate), reads the client's side frame by frame (`HeaderBlockGuard`: frame headers
+only, payloads are counted past), and relays the bytes both ways to gRPC's own listener on a unix socket
+in a private folder. A header block over `max_block_bytes`, or of more than `max_continuations`
+CONTINUATION frames, closes the connection at once. Each connection reaches gRPC over a unix connection of
+its own, bound to a random abstract name, which gRPC gives its handlers as the call's peer
+("unix-abstract:NAME"): `peer_of` turns it back into the client's address, for its share of admission.
+Each direction reads only while the other can take what it writes, so a slow reader holds no more than
+the transports' buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import ssl
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_FRAME_HEADER = 9
+_HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
+_END_HEADERS = 0x4
+_ABSTRACT = "unix-abstract:"
+
+
+class HeaderBlockGuard:
+    """The client's side of one HTTP/2 connection, read frame by frame for its header blocks' sizes."""
+
+    def __init__(self, max_block_bytes: int, max_continuations: int) -> None:
+        self.max_block_bytes = max_block_bytes
+        self.max_continuations = max_continuations
+        self._preface = len(PREFACE)  # bytes of the connection preface still to come
+        self._header = b""  # a frame header's first bytes, until it has all nine
+        self._payload = 0  # bytes of the current frame's payload still to come
+        self._block: int | None = None  # an open header block's bytes so far; None when none is open
+        self._continuations = 0
+
+    def feed(self, data: bytes) -> str | None:
+        """Take the next bytes the client sent; returns what is wrong, if they break a limit."""
+        at, end = min(self._preface, len(data)), len(data)
+        self._preface -= at
+        while at < end:
+            if self._payload:
+                step = min(self._payload, end - at)
+                self._payload -= step
+                at += step
+                continue
+            need = _FRAME_HEADER - len(self._header)
+            self._header += data[at : at + need]
+            at += need
+            if len(self._header) < _FRAME_HEADER:
+                break
+            header, self._header = self._header, b""
+            self._payload = int.from_bytes(header[:3], "big")
+            problem = self._frame(header[3], header[4], self._payload)
+            if problem is not None:
+                return problem
+        return None
+
+    def _frame(self, kind: int, flags: int, length: int) -> str | None:
+        if kind in (_HEADERS, _PUSH_PROMISE):
+            self._block, self._continuations = length, 0
+        elif kind == _CONTINUATION and self._block is not None:
+            self._block += length
+            self._continuations += 1
+        else:
+            return None  # anything else in an open block is a protocol error, gRPC's to refuse
+        if self._block > self.max_block_bytes:
+            return f"a header block of more than {self.max_block_bytes} bytes"
+        if self._continuations > self.max_continuations:
+            return f"a header block of more than {self.max_continuations} CONTINUATION frames"
+        if flags & _END_HEADERS:
+            self._block = None
+        return None
+
+
+class GuardedPort:
+    """The public TCP port in front of gRPC's listener at inner_path (see the module)."""
+
+    def __init__(
+        self,
+        inner_path: str,
+        *,
+        max_block_bytes: int,
+        max_continuations: int = 32,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.inner_path = inner_path
+        self._limits = (max_block_bytes, max_continuations)
+        self._tls = tls
+        self._peers: dict[str, str] = {}  # "unix-abstract:NAME" -> the client's address, as gRPC writes one
+        self._server: asyncio.Server | None = None
+
+    async def start(self, address: str) -> str:
+        """Listen on address ("host:port"; port 0 picks one); returns the address bound."""
+        host, port = address.rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _ClientSide(self), host.strip("[]") or None, int(port), ssl=self._tls, reuse_address=True
+        )
+        bound = self._server.sockets[0].getsockname()[1]
+        return f"{host}:{bound}"
+
+    def peer_of(self, peer: str) -> str:
+        """The client's address behind a call's peer, or peer itself when it did not come through here."""
+        return self._peers.get(peer, peer) if peer.startswith(_ABSTRACT) else peer
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+class _ClientSide(asyncio.Protocol):
+    """One client connection: its bytes through the guard to gRPC, gRPC's back to it."""
+
+    def __init__(self, port: GuardedPort) -> None:
+        self._port = port
+        self._guard = HeaderBlockGuard(*port._limits)
+        self._transport: asyncio.Transport | None = None
+        self._inner: asyncio.Transport | None = None
+        self._name = f"pagedserve-{secrets.token_hex(16)}"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.pause_reading()  # until gRPC is reached
+        asyncio.get_running_loop().create_task(self._reach_grpc(transport))
+
+    async def _reach_grpc(self, transport: asyncio.Transport) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + self._name)  # abstract: no file, gone with the socket
+            sock.setblocking(False)
+            await loop.sock_connect(sock, self._port.inner_path)
+            inner, _ = await loop.create_unix_connection(lambda: _GrpcSide(transport), sock=sock)
+        except OSError as exc:
+            sock.close()
+            log.warning("could not reach the frontend's own gRPC listener: %s", exc)
+            transport.abort()
+            return
+        if transport.is_closing():
+            inner.close()
+            return
+        self._inner = inner
+        self._port._peers[_ABSTRACT + self._name] = _grpc_peer(transport.get_extra_info("peername"))
+        transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        problem = self._guard.feed(data)
+        if problem is not None:
+            peer = self._port._peers.get(_ABSTRACT + self._name, "a client")
+            log.warning("closed the connection of %s: %s", peer, problem)
+            self._close()
+            return
+        assert self._inner is not None  # reading resumes only once gRPC is reached
+        self._inner.write(data)
+
+    def eof_received(self) -> bool:
+        if self._inner is not None and self._inner.can_write_eof():
+            self._inner.write_eof()
+        return True  # half-open: gRPC may still answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._port._peers.pop(_ABSTRACT + self._name, None)
+        if self._inner is not None:
+            self._inner.close()
+
+    def pause_writing(self) -> None:  # the client reads slower than gRPC writes
+        if self._inner is not None:
+            self._inner.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_reading()
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+        if self._inner is not None:
+            self._inner.abort()
+
+
+class _GrpcSide(asyncio.Protocol):
+    """gRPC's end of one relayed connection: what it writes goes to the client."""
+
+    def __init__(self, client: asyncio.Transport) -> None:
+        self._client = client
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._client.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._client.close()
+
+    def pause_writing(self) -> None:  # gRPC reads slower than the client writes
+        self._client.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._client.resume_reading()
+
+
+def _grpc_peer(address: Any) -> str:
+    """A socket's peer address as gRPC writes one: "ipv4:HOST:PORT" or "ipv6:[HOST]:PORT"."""
+    host, port = address[0], address[1]
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"

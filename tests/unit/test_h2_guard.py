@@ -1,0 +1,62 @@
+"""The public port's HTTP/2 guard, fed the client's side of a connection in pieces of every size: whole
+requests pass, a header block too large or of too many CONTINUATION frames is caught where it crosses the
+limit (the relay and the flood on a real stack: tests/integration/test_http2_abuse.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from services.frontend.h2_guard import PREFACE, HeaderBlockGuard
+
+DATA, HEADERS, SETTINGS, CONTINUATION = 0x0, 0x1, 0x4, 0x9
+END_STREAM, END_HEADERS = 0x1, 0x4
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + struct.pack(">BBI", kind, flags, stream) + payload
+
+
+def fed(data: bytes, piece: int, max_block_bytes: int = 1000, max_continuations: int = 4) -> str | None:
+    """What the guard says of data, fed piece bytes at a time (the first problem, if any)."""
+    guard = HeaderBlockGuard(max_block_bytes, max_continuations)
+    for at in range(0, len(data), piece):
+        if (problem := guard.feed(data[at : at + piece])) is not None:
+            return problem
+    return None
+
+
+PIECES = [1, 2, 7, 9, 10, 4096]
+REQUEST = (
+    PREFACE
+    + frame(SETTINGS, 0, 0, b"")
+    + frame(HEADERS, END_HEADERS, 1, b"h" * 300)
+    + frame(DATA, END_STREAM, 1, b"d" * 70000)  # a payload far over the block limit is no header
+    + frame(HEADERS, 0, 3, b"h" * 400)
+    + frame(CONTINUATION, 0, 3, b"c" * 400)
+    + frame(CONTINUATION, END_HEADERS, 3, b"c" * 199)  # 999 bytes: at the limit
+)
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_requests_within_the_limits_pass(piece: int) -> None:
+    assert fed(REQUEST * 1, piece) is None
+    assert fed(REQUEST + REQUEST[len(PREFACE) :], piece) is None  # blocks reset at END_HEADERS
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_a_block_over_its_bytes_is_caught(piece: int) -> None:
+    flood = PREFACE + frame(HEADERS, 0, 1, b"h" * 600) + frame(CONTINUATION, 0, 1, b"c" * 401)
+    assert fed(flood, piece) == "a header block of more than 1000 bytes"
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_a_block_of_too_many_continuations_is_caught_even_empty_ones(piece: int) -> None:
+    flood = PREFACE + frame(HEADERS, 0, 1, b"h") + frame(CONTINUATION, 0, 1, b"") * 5
+    assert fed(flood, piece) == "a header block of more than 4 CONTINUATION frames"
+    assert fed(PREFACE + frame(HEADERS, 0, 1, b"h") + frame(CONTINUATION, 0, 1, b"") * 4, piece) is None
+
+
+def test_a_single_headers_frame_over_the_limit_is_caught() -> None:
+    assert fed(PREFACE + frame(HEADERS, END_HEADERS, 1, b"h" * 1001), 4096) is not None
