@@ -4,11 +4,14 @@ limit (the relay and the flood on a real stack: tests/integration/test_http2_abu
 
 from __future__ import annotations
 
+import asyncio
 import struct
+from pathlib import Path
 
+import grpc
 import pytest
 
-from services.frontend.h2_guard import PREFACE, HeaderBlockGuard
+from services.frontend.h2_guard import PREFACE, GuardedPort, HeaderBlockGuard
 
 DATA, HEADERS, SETTINGS, CONTINUATION = 0x0, 0x1, 0x4, 0x9
 END_STREAM, END_HEADERS = 0x1, 0x4
@@ -60,3 +63,33 @@ def test_a_block_of_too_many_continuations_is_caught_even_empty_ones(piece: int)
 
 def test_a_single_headers_frame_over_the_limit_is_caught() -> None:
     assert fed(PREFACE + frame(HEADERS, END_HEADERS, 1, b"h" * 1001), 4096) is not None
+
+
+def test_a_call_through_the_relay_reaches_grpc_with_the_clients_own_address(tmp_path: Path) -> None:
+    """A gRPC server behind the guard sees each connection as a unix peer of its own, which the guard turns
+    back into the client's TCP address, port and all."""
+
+    async def scenario() -> tuple[str, str]:
+        port = GuardedPort(str(tmp_path / "grpc.sock"), max_block_bytes=32768)
+
+        async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return port.peer_of(context.peer()).encode()
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("t.T", {"Peer": grpc.unary_unary_rpc_method_handler(echo)})]
+        )
+        server.add_insecure_port(f"unix:{port.inner_path}")
+        await server.start()
+        address = await port.start("127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                seen = (await channel.unary_unary("/t.T/Peer")(b"")).decode()
+                return seen, address
+        finally:
+            await port.stop()
+            await server.stop(0)
+
+    seen, address = asyncio.run(scenario())
+    host, _, client_port = seen.removeprefix("ipv4:").rpartition(":")
+    assert host == "127.0.0.1" and client_port.isdigit() and client_port != address.rsplit(":", 1)[1]
