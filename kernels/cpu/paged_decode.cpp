@@ -13,20 +13,27 @@
 #include <cmath>
 #include <vector>
 
+#include "checks.h"
+
 namespace {
 
 void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
            const torch::Tensor& lens) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32,
-              "q must be a contiguous float32 [S, Hq, D]");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == torch::kFloat32,
-              "kv_layer must be a contiguous float32 [2, P, B, Hkv, D]");
-  TORCH_CHECK(kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "q and kv_layer disagree on heads");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == torch::kInt64 &&
-                  tables.is_contiguous(),
-              "block_tables must be a contiguous int64 [S, W]");
-  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == q.size(0) && lens.scalar_type() == torch::kInt64,
-              "seq_lens must be an int64 [S]");
+  using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
+  check_cpu(q, "q");
+  check_shape(q, "q", {kAny, kAny, kAny}, "[S, Hq, D]");
+  check_contiguous(q, "q");
+  const int64_t seqs = q.size(0), q_heads = q.size(1), dim = q.size(2);
+  check_cpu(kv, "kv_layer");
+  check_shape(kv, "kv_layer", {2, kAny, kAny, kAny, dim}, "[2, P, B, Hkv, ", dim, "]");
+  check_contiguous(kv, "kv_layer");
+  TORCH_CHECK_VALUE(kv.size(3) > 0 && q_heads % kv.size(3) == 0, q_heads, " query heads over ", kv.size(3),
+                    " KV heads");
+  check_cpu(tables, "block_tables", torch::kInt64);
+  check_shape(tables, "block_tables", {seqs, kAny}, "[", seqs, ", W]");
+  check_contiguous(tables, "block_tables");
+  check_cpu(lens, "seq_lens", torch::kInt64);
+  check_shape(lens, "seq_lens", {seqs}, "[", seqs, "]");
 }
 
 

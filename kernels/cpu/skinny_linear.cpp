@@ -1,4 +1,4 @@
-// y = x W^T (+ bias) for the few rows of a decode step: x [M, K], W [N, K], float32, M small.
+// y = x W^T (+ bias) for the few rows of a decode step: x [M, K], W [N, K], bias [N], float32, M small.
 //
 // With few rows a GEMM is bound by reading W from memory, once a step; MKL's small-M path reads it well at
 // M = 1 but is far from that bound at 2-16 (scripts/bench_cpu_ops.py). Here each thread streams its own
@@ -11,6 +11,8 @@
 
 #include <cstring>
 #include <optional>
+
+#include "checks.h"
 
 namespace {
 
@@ -68,8 +70,15 @@ void rows_block(const float* x, const float* w, float* y, int64_t m_len, int64_t
 }  // namespace
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and W [N, K] disagree");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+  using pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
+  check_cpu(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
+  check_cpu(weight, "weight");
+  check_shape(weight, "weight", {kAny, x.size(1)}, "[N, ", x.size(1), "]");
+  if (bias) {  // added to y below, where a wrong shape would broadcast
+    check_cpu(*bias, "bias");
+    check_shape(*bias, "bias", {weight.size(0)}, "[", weight.size(0), "]");
+  }
   const auto xc = x.contiguous();
   const auto wc = weight.contiguous();
   const int64_t m_len = xc.size(0), k_len = xc.size(1), n_len = wc.size(0);
