@@ -6,9 +6,13 @@ more than the attention itself. `kernels/cpu/paged_decode.cpp` reads each K and 
 up to the sequence's length. `kernels/cpu/elementwise.cpp` does RMSNorm (with the residual add), rotary and
 the SiLU gate in one pass each, where torch makes a temporary for every operator.
 
-The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into the cache
-folder; where they cannot be built (no compiler), the worker runs the torch reference and says why. Prefill
-attention, other dtypes and CUDA tensors take the reference.
+The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into
+cpu-kernels/ in the cache folder, or $PAGEDSERVE_CPU_KERNELS: the first start takes a minute or more on a
+few cores, says so, and later starts load the build. An image has no compiler: its build ran `python -m
+kernels.cpu_backend x86-64-v3 x86-64-v4` (Dockerfile) into $PAGEDSERVE_CPU_KERNELS, and the worker loads
+the best of those levels that its CPU runs. Where there is no build it can run and none can be made, the
+worker runs the torch reference and says why. Prefill attention, other dtypes and CUDA tensors take the
+reference.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -37,44 +44,118 @@ log = logging.getLogger(__name__)
 # slower at 2-16 rows than at 1 (scripts/bench_cpu_ops.py measures both).
 SKINNY_ROWS = 16
 
+CSRC = Path(__file__).parent / "cpu"
 SOURCES = [
-    Path(__file__).parent / "cpu" / name
-    for name in ("paged_decode.cpp", "elementwise.cpp", "skinny_linear.cpp", "bindings.cpp")
+    CSRC / name for name in ("paged_decode.cpp", "elementwise.cpp", "skinny_linear.cpp", "bindings.cpp")
 ]
-# For this CPU's vector units; -ffast-math vectorizes exp and the reductions (the kernels read only slots
-# that hold written, finite values). at::parallel_for is OpenMP inlined from torch's headers: without
-# -fopenmp it runs on one thread. The library it links is libgomp.so.1, the one torch has loaded already.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+HEADERS = [CSRC / "checks.h"]
+# The x86-64 levels (GCC's -march names) an image ships, worst first, each with the flags /proc/cpuinfo
+# must show for a CPU to run it; "native" is this CPU's own.
+_V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+LEVELS = {
+    "x86-64-v3": frozenset(_V3),
+    "x86-64-v4": frozenset(_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+}
+
+
+def cflags(target: str) -> list[str]:
+    """-ffast-math vectorizes exp and the reductions (the kernels read only slots that hold written, finite
+    values). at::parallel_for is OpenMP inlined from torch's headers: without -fopenmp it runs on one thread.
+    The library it links is libgomp.so.1, the one torch has loaded already."""
+    return ["-O3", f"-march={target}", "-ffast-math", "-fopenmp"]
+
+
+def kernels_dir() -> Path:
+    """$PAGEDSERVE_CPU_KERNELS, or cpu-kernels/ in the cache folder: one <name>.so a finished build."""
+    return Path(os.environ.get("PAGEDSERVE_CPU_KERNELS") or cache_dir() / "cpu-kernels")
+
+
+def build_name(target: str) -> str:
+    """The build's name keys the sources, the target (for native, this CPU), the flags and torch, so that a
+    shared folder never mixes builds."""
+    key = hashlib.sha256(
+        b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
+        + (_cpu_flags() if target == "native" else target).encode()
+        + str(cflags(target)).encode()
+        + torch.__version__.encode()
+    ).hexdigest()
+    return f"pagedserve_cpu_{key[:12]}"
 
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled C++ ops, built on first use; None, with a warning, when they cannot be built."""
+    """The compiled C++ ops: a finished build this CPU runs (its own, else the best level), or a new build for
+    this CPU; None, with a warning, when neither can be had."""
+    folder = kernels_dir()
+    try:
+        for target in ["native", *runnable_levels()]:
+            library = folder / f"{build_name(target)}.so"
+            if library.exists():
+                log.info("C++ CPU kernels: loaded %s", library)
+                return _import(library)
+        return build("native")
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or no ninja
+        log.warning(
+            "the C++ CPU kernels could not be built (%s), and %s holds no build this CPU runs; running the "
+            "torch reference",
+            exc,
+            folder,
+        )
+        return None
+
+
+def build(target: str) -> ModuleType:
+    """Builds the ops for target (native or one of LEVELS that this CPU runs: the build loads them) into
+    kernels_dir(), and loads them; raises where they cannot be built."""
     from torch.utils import cpp_extension
 
-    # The build is for this CPU and this torch: its name keys both, so a shared cache never mixes them.
-    key = hashlib.sha256(
-        b"".join(source.read_bytes() for source in SOURCES)
-        + _cpu_flags().encode()
-        + str(CFLAGS).encode()
-        + torch.__version__.encode()
-    ).hexdigest()
-    name = f"pagedserve_cpu_{key[:12]}"
-    folder = cache_dir() / "cpu-kernels" / name
-    folder.mkdir(parents=True, exist_ok=True)
+    name = build_name(target)
+    library = kernels_dir() / f"{name}.so"
+    work = kernels_dir() / name  # cpp_extension's: objects, ninja's files, and its own copy of the library
+    compiler = os.environ.get("CXX") or "c++"  # cpp_extension's choice (get_cxx_compiler)
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C++ compiler: {compiler} is not on PATH")
+    work.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
-    try:
-        with _build_lock(folder):
-            return cpp_extension.load(
-                name,
-                [str(source) for source in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-            )
-    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or no ninja
-        log.warning("the C++ CPU kernels could not be built (%s); running the torch reference", exc)
-        return None
+    with _build_lock(work):
+        if library.exists():  # another process built it while this one waited
+            log.info("C++ CPU kernels: loaded %s", library)
+            return _import(library)
+        what = "this CPU" if target == "native" else target
+        log.info(
+            "building the C++ CPU kernels for %s into %s: a few minutes, once; later starts load the build",
+            what,
+            work,
+        )
+        start = time.monotonic()
+        module = cpp_extension.load(
+            name,
+            [str(source) for source in SOURCES],
+            extra_cflags=cflags(target),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(work),
+        )
+        # Published whole, by a rename: a library at this path is a finished build.
+        shutil.copyfile(work / f"{name}.so", work / "published.so")
+        os.replace(work / "published.so", library)
+        log.info("built the C++ CPU kernels in %.0f s: %s", time.monotonic() - start, library)
+        return module
+
+
+def runnable_levels() -> list[str]:
+    """The levels of LEVELS that this CPU runs, best first."""
+    flags = set(_cpu_flags().split())
+    return [level for level, needs in reversed(LEVELS.items()) if needs <= flags]
+
+
+def _import(library: Path) -> ModuleType:
+    """Loads a built library as cpp_extension does; its file name is its module's name."""
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
@@ -104,6 +185,18 @@ def _cpu_flags() -> str:
         )
     except (OSError, StopIteration):
         return platform.processor()
+
+
+def main(targets: list[str]) -> None:
+    """Builds the ops for each level named that this CPU runs, and says which it skips (an image's build)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for target in targets:
+        if target not in LEVELS:
+            raise SystemExit(f"{target} is not one of {', '.join(LEVELS)}")
+        if target in runnable_levels():
+            build(target)
+        else:
+            log.info("not building the C++ CPU kernels for %s: this CPU does not run it", target)
 
 
 class CpuBackend(TorchBackend):
@@ -151,3 +244,7 @@ class CpuBackend(TorchBackend):
 def _ours(x: torch.Tensor) -> bool:
     """The C++ ops take float32 CPU tensors; the reference takes the rest."""
     return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
