@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The compose stack, built and run for real: the CPU image built offline (a base image from Debian's
 # packages, a wheelhouse fetched on the host), `docker compose -f docker-compose.yml -f
-# docker-compose.cpu.yml up` with a fresh secret, an answer streamed through the published port, and a
-# check that only the frontend's and the gateway's ports are published, on 127.0.0.1. Everything the run
-# started in compose is torn down at exit, also on failure, after the failing containers' logs.
+# docker-compose.cpu.yml up` with a fresh secret, a check that the worker runs the C++ CPU kernels built
+# into the image, an answer streamed through the published port, and a check that only the frontend's and
+# the gateway's ports are published, on 127.0.0.1. Everything the run started in compose is torn down at
+# exit, also on failure, after the failing containers' logs.
 #   bash scripts/compose_check.sh
 #
 # Assumes: Debian (apt-get) and root, to install docker.io and debootstrap when missing and to start
@@ -14,11 +15,13 @@
 # and the containers reach nothing outside.
 #
 # Kept between runs, to make the next one quick: dockerd, when this script started it (log in the cache
-# folder); the base image; the wheelhouse; the image pagedserve:latest and its build stage (the build
+# folder); the base images; the wheelhouse; the image pagedserve:latest and its build stage (the build
 # cache). Settings, from the environment:
 #   PAGEDSERVE_COMPOSE_CACHE  the cache folder (default ~/.cache/pagedserve-compose)
 #   PAGEDSERVE_BASE_IMAGE     the image to build on (default pagedserve-base:bookworm, made by
 #                             scripts/compose_base.sh when missing; python:3.11-slim where a registry answers)
+#   PAGEDSERVE_BUILD_IMAGE    the build stage's, with a C++ compiler (default $PAGEDSERVE_BASE_IMAGE-build,
+#                             which compose_base.sh makes beside it; python:3.11 beside python:3.11-slim)
 #   PAGEDSERVE_TORCH_INDEX    where torch's CPU wheel comes from when pip's find-links lack it
 #                             (default https://download.pytorch.org/whl/cpu)
 set -euo pipefail
@@ -26,6 +29,7 @@ cd "$(dirname "$0")/.."
 
 readonly cache=${PAGEDSERVE_COMPOSE_CACHE:-$HOME/.cache/pagedserve-compose}
 readonly base=${PAGEDSERVE_BASE_IMAGE:-pagedserve-base:bookworm}
+readonly build_base=${PAGEDSERVE_BUILD_IMAGE:-$base-build}
 readonly torch_index=${PAGEDSERVE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 readonly image=pagedserve:latest  # the compose file's image
 readonly project=pagedserve-check  # not the users' `pagedserve` project: its volume and networks stay theirs
@@ -81,21 +85,23 @@ compose() {
 }
 
 make_base() {
-    if docker image inspect "$base" >/dev/null 2>&1; then
-        log "base image $base: cached"
-    elif [[ $base == pagedserve-base:* ]]; then
+    if docker image inspect "$base" >/dev/null 2>&1 && docker image inspect "$build_base" >/dev/null 2>&1; then
+        log "base images $base and $build_base: cached"
+    elif [[ $base == pagedserve-base:* && $build_base == "$base-build" ]]; then
         command -v debootstrap >/dev/null || apt_install debootstrap
-        log "base image $base: debootstrap bookworm (minbase) and docker import"
+        log "base images $base and $build_base: debootstrap bookworm (minbase) and docker import"
         bash scripts/compose_base.sh "$base"
     else
-        log "base image $base: pulled by the build"
+        log "base images $base and $build_base: pulled by the build"
         return
     fi
-    # The wheelhouse holds the host's CPython ABI: the image must run the same minor version.
-    local theirs ours
-    theirs=$(docker run --rm --network none "$base" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    # The wheelhouse holds the host's CPython ABI: both stages must run the same minor version.
+    local stage theirs ours
     ours=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-    [[ $theirs == "$ours" ]] || die "$base runs Python $theirs, the host's venv $ours: the wheels would not fit"
+    for stage in "$base" "$build_base"; do
+        theirs=$(docker run --rm --network none "$stage" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+        [[ $theirs == "$ours" ]] || die "$stage runs Python $theirs, the host's venv $ours: the wheels would not fit"
+    done
 }
 
 # Prints the wheelhouse's folder: every wheel `pip install -e '.[cpu,gateway]'` and the default model need,
@@ -156,9 +162,10 @@ build_image() {
     rm -rf "$ctx_wheels"
     # Hard links: the context gets the wheels without a second copy (same filesystem), else a copy.
     cp -al "$wheels" "$ctx_wheels" 2>/dev/null || { rm -rf "$ctx_wheels"; cp -a "$wheels" "$ctx_wheels"; }
-    log "docker build (VARIANT=cpu, BASE_IMAGE=$base, WHEELHOUSE=$ctx_wheels; log: $cache/build.log)"
-    docker build --build-arg VARIANT=cpu --build-arg BASE_IMAGE="$base" --build-arg WHEELHOUSE="$ctx_wheels" \
-        -t "$image" . >"$cache/build.log" 2>&1 \
+    log "docker build (VARIANT=cpu, BASE_IMAGE=$base, BUILD_IMAGE=$build_base, WHEELHOUSE=$ctx_wheels;" \
+        "log: $cache/build.log)"
+    docker build --build-arg VARIANT=cpu --build-arg BASE_IMAGE="$base" --build-arg BUILD_IMAGE="$build_base" \
+        --build-arg WHEELHOUSE="$ctx_wheels" -t "$image" . >"$cache/build.log" 2>&1 \
         || { tail -n 40 "$cache/build.log" >&2; die "docker build (whole log: $cache/build.log)"; }
     rm -rf "$ctx_wheels"
     # The legacy builder keeps each build stage as an untagged image, 3 GB apiece: keep the newest (the
@@ -188,7 +195,18 @@ start_stack() {
     compose up -d --no-build --pull never --wait --wait-timeout 420 2>&1 \
         | { grep -v -e ' Waiting$' -e ' Starting$' >&2 || true; } \
         || die "the stack did not come up healthy"
-    log "all four services healthy"
+    log "all services healthy"
+}
+
+# The image has no compiler: without the kernels built into it, the worker quietly runs the torch reference.
+check_kernels() {
+    local said line
+    said=$(compose logs --no-color worker 2>&1 | grep -E 'C\+\+ CPU kernels|kernels: ' || true)
+    printf '%s\n' "$said" >&2
+    line=$(grep -oE 'kernels: [a-z]+, on [0-9]+ torch threads' <<<"$said" | tail -n 1 || true)
+    [[ $line == "kernels: cpu, "* ]] \
+        || die "the worker's kernels line is [${line:-missing}], not \`kernels: cpu\`: the image lacks the C++ kernels"
+    log "the worker runs the C++ CPU kernels"
 }
 
 check_answer() {
@@ -227,10 +245,11 @@ for line in sys.stdin:
     service, _, ports = line.strip().partition(" ")
     for host, port, target in re.findall(r"([0-9a-f.:\[\]]+):(\d+)->(\d+)/tcp", ports):
         print(service, host, target)' | sort | tr '\n' ' ')
-    [[ $published == "frontend 127.0.0.1 50051 smg 127.0.0.1 30000 " ]] \
+    # The netns service holds the frontend's and the gateway's network namespace: their ports are its.
+    [[ $published == "netns 127.0.0.1 30000 netns 127.0.0.1 50051 " ]] \
         || die "published ports are [$published], not only the frontend's and the gateway's, on 127.0.0.1"
     local service port mapped
-    for service in daemon:50052 worker:50053 frontend:9100; do
+    for service in daemon:50052 worker:50053 netns:9100; do
         port=${service#*:}
         service=${service%:*}
         # `compose port` answers ":0" (or an error) for a port that is not published.
@@ -299,6 +318,7 @@ main() {
     wheels=$(make_wheelhouse)  # its own statement, so that its failure stops the run
     build_image "$wheels"
     start_stack
+    check_kernels
     check_answer
     check_exposure
 }
