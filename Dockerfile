@@ -5,6 +5,8 @@
 #     scripts/compose_base.sh makes one with no registry, from Debian's packages).
 #   BUILD_IMAGE: the build stage's: BASE_IMAGE with a C++ compiler and Python's headers (default python:3.11;
 #     compose_base.sh makes BASE_IMAGE-build beside its BASE_IMAGE).
+#   CPU_KERNEL_LEVELS: the x86-64 levels the C++ CPU kernels are built for (default both: an image for any
+#     x86-64 CPU with AVX2, at its best on one with AVX-512; compose_check.sh builds the one its machine runs).
 #   WHEELHOUSE: a folder in the build context holding every wheel the image needs; then pip installs from
 #     it alone (--no-index), for hosts where the build cannot reach a package index. Filled outside, e.g.
 #     pip download -d wheelhouse setuptools 'torch==2.13.0+cpu' ... (scripts/compose_check.sh shows how).
@@ -20,6 +22,7 @@ FROM ${BUILD_IMAGE} AS build
 LABEL org.pagedserve.stage=build
 ARG VARIANT=cuda
 ARG WHEELHOUSE=
+ARG CPU_KERNEL_LEVELS="x86-64-v3 x86-64-v4"
 ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
@@ -45,7 +48,7 @@ ENV PAGEDSERVE_CPU_KERNELS=/opt/pagedserve/cpu-kernels
 RUN set -eu; \
     mkdir -p "$PAGEDSERVE_CPU_KERNELS"; \
     if [ "$VARIANT" = cpu ]; then \
-      python -m kernels.cpu_backend x86-64-v3 x86-64-v4; \
+      python -m kernels.cpu_backend $CPU_KERNEL_LEVELS; \
       find "$PAGEDSERVE_CPU_KERNELS" -mindepth 1 -maxdepth 1 ! -name '*.so' -exec rm -rf {} +; \
     fi
 

@@ -162,10 +162,15 @@ build_image() {
     rm -rf "$ctx_wheels"
     # Hard links: the context gets the wheels without a second copy (same filesystem), else a copy.
     cp -al "$wheels" "$ctx_wheels" 2>/dev/null || { rm -rf "$ctx_wheels"; cp -a "$wheels" "$ctx_wheels"; }
-    log "docker build (VARIANT=cpu, BASE_IMAGE=$base, BUILD_IMAGE=$build_base, WHEELHOUSE=$ctx_wheels;" \
-        "log: $cache/build.log)"
+    # The C++ CPU kernels for the level this machine runs best only: this image runs here, and each level
+    # is minutes of compiling on two cores.
+    local levels
+    levels=$("$py" -c 'from kernels.cpu_backend import runnable_levels; print(runnable_levels()[0])')
+    log "docker build (VARIANT=cpu, BASE_IMAGE=$base, BUILD_IMAGE=$build_base, WHEELHOUSE=$ctx_wheels," \
+        "CPU_KERNEL_LEVELS=$levels; log: $cache/build.log)"
     docker build --build-arg VARIANT=cpu --build-arg BASE_IMAGE="$base" --build-arg BUILD_IMAGE="$build_base" \
-        --build-arg WHEELHOUSE="$ctx_wheels" -t "$image" . >"$cache/build.log" 2>&1 \
+        --build-arg WHEELHOUSE="$ctx_wheels" --build-arg CPU_KERNEL_LEVELS="$levels" -t "$image" . \
+        >"$cache/build.log" 2>&1 \
         || { tail -n 40 "$cache/build.log" >&2; die "docker build (whole log: $cache/build.log)"; }
     rm -rf "$ctx_wheels"
     # The legacy builder keeps each build stage as an untagged image, 3 GB apiece: keep the newest (the
