@@ -114,10 +114,11 @@ class GuardedPort:
         """The client's address behind a call's peer, or peer itself when it did not come through here."""
         return self._peers.get(peer, peer) if peer.startswith(_ABSTRACT) else peer
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
+        """Take no new connections; those open go on until gRPC closes its side (its own stop drains them).
+        Not wait_closed: from Python 3.12 it waits for those connections too."""
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
 
 
 class _ClientSide(asyncio.Protocol):
@@ -169,7 +170,7 @@ class _ClientSide(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self._inner is not None and self._inner.can_write_eof():
             self._inner.write_eof()
-        return True  # half-open: gRPC may still answer
+        return self._port._tls is None  # half-open, so that gRPC may still answer (TLS cannot stay so)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._port._peers.pop(_ABSTRACT + self._name, None)

@@ -100,7 +100,7 @@ async def serve(config: FrontendConfig) -> None:
     try:
         await stop.wait()
         log.info("shutting down: draining requests for up to %.0fs", config.shutdown_grace_s)
-        await guard.stop()  # no new connections; those open drain through it
+        guard.stop()  # no new connections; those open drain through it
         await asyncio.gather(*(running.stop(config.shutdown_grace_s) for running, _ in servers))
     finally:
         health_task.cancel()

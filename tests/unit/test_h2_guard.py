@@ -87,7 +87,7 @@ def test_a_call_through_the_relay_reaches_grpc_with_the_clients_own_address(tmp_
                 seen = (await channel.unary_unary("/t.T/Peer")(b"")).decode()
                 return seen, address
         finally:
-            await port.stop()
+            port.stop()
             await server.stop(0)
 
     seen, address = asyncio.run(scenario())
