@@ -73,7 +73,10 @@ class FrontendConfig:
         shown_default="4MiB",
     )
     max_concurrent_streams: int = setting(
-        100, "calls one HTTP/2 connection may have open at once on the public port", check=positive
+        1024,
+        "calls one HTTP/2 connection may have open at once on the public port; gRPC refuses one over it "
+        "(UNAVAILABLE: REFUSED_STREAM), as its clients do not always wait for a free one",
+        check=positive,
     )
     default_max_tokens: int = setting(256, "max_tokens of a request that sets none", check=positive)
     tokenizer_threads: int = setting(2, "threads that tokenize requests; more wait for one", check=positive)

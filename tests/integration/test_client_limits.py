@@ -1,8 +1,9 @@
 """One client cannot starve the others, on a real stack whose frontend has two clients' tokens: one opens
 300 streams at the most favourable priority over two connections, HTTP/2 lets 100 a connection reach the
-frontend, its share of admission keeps half the slots free of it, and the other client's request is admitted
-and answered at once; a priority outside the operator's range is refused; a message over the size limit is
-refused by gRPC before any handler runs."""
+frontend (--max-concurrent-streams 100: the rest wait in the client), its share of admission keeps half
+the slots free of it, and the other client's request is admitted and answered at once; a priority outside
+the operator's range is refused; a message over the size limit is refused by gRPC before any handler
+runs."""
 
 from __future__ import annotations
 
@@ -31,7 +32,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tokens = folder / "tokens"
     tokens.write_text("# one client a line\n" + "\n".join(TOKENS.values()) + "\n")
     tokens.chmod(0o600)
-    limits = ["--max-running", str(MAX_RUNNING), "--max-waiting", str(MAX_WAITING)]
+    limits = [
+        "--max-running",
+        str(MAX_RUNNING),
+        "--max-waiting",
+        str(MAX_WAITING),
+        "--max-concurrent-streams",
+        "100",
+    ]
     running = start_stack(folder, "--api-token-file", str(tokens), "--kv-memory", "256MiB", *limits)
     yield running
     assert running.stop() == 0, running.log()

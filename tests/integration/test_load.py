@@ -44,7 +44,9 @@ async def one_thousand_streams(address: str) -> list[tuple[str, int, int]]:
 
 def test_a_thousand_concurrent_streams(tmp_path: Path) -> None:
     model = make_model("llama", tmp_path / "model")
-    stack = start_stack(tmp_path, "--model", str(model), "--kv-memory", "256MiB", "--max-num-seqs", "256")
+    # One client, on one connection: its share of admission is all of it here (test_client_limits has them).
+    flags = ("--kv-memory", "256MiB", "--max-num-seqs", "256", "--client-share", "1")
+    stack = start_stack(tmp_path, "--model", str(model), *flags)
     try:
         start = time.monotonic()
         results = asyncio.run(one_thousand_streams(stack.address))
