@@ -73,7 +73,7 @@ class FrontendConfig:
         shown_default="4MiB",
     )
     max_concurrent_streams: int = setting(
-        1024,
+        256,
         "calls one HTTP/2 connection may have open at once on the public port; gRPC refuses one over it "
         "(UNAVAILABLE: REFUSED_STREAM), as its clients do not always wait for a free one",
         check=positive,

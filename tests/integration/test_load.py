@@ -44,8 +44,10 @@ async def one_thousand_streams(address: str) -> list[tuple[str, int, int]]:
 
 def test_a_thousand_concurrent_streams(tmp_path: Path) -> None:
     model = make_model("llama", tmp_path / "model")
-    # One client, on one connection: its share of admission is all of it here (test_client_limits has them).
+    # One client, on one connection: its share of admission, and of the connection's streams, is all of it
+    # here (test_client_limits has the limits).
     flags = ("--kv-memory", "256MiB", "--max-num-seqs", "256", "--client-share", "1")
+    flags += ("--max-concurrent-streams", str(STREAMS))
     stack = start_stack(tmp_path, "--model", str(model), *flags)
     try:
         start = time.monotonic()
