@@ -47,7 +47,7 @@ def test_no_metrics_writes_null_endpoints(tmp_path: Path) -> None:
     try:
         endpoints = read_endpoints(stack)
         assert endpoints == {
-            "frontend": {"address": stack.address, "metrics": None},
+            "frontend": {"address": stack.address, "metrics": None, "gateway_address": None},
             "daemon": {"address": stack.daemon_address, "metrics": None},
             "workers": [{"name": "worker-0", "address": stack.worker_address(0), "metrics": None}],
         }

@@ -165,7 +165,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(
     stack: Stack, stub: generation_pb2_grpc.GenerationStub
 ) -> None:
     """Tokenizing megabytes would take seconds of CPU; the frontend refuses them by their length first."""
-    huge = "word " * (2 * 2**20)  # 10 MiB: under the message cap, far past the context
+    huge = "word " * (3 * 2**20 // 5)  # 3 MiB: under the public port's 4 MiB cap, far past the context
     idle = frontend_cpu_seconds(stack)
     with pytest.raises(grpc.RpcError) as caught:
         stub.Complete(generate_request(huge, max_tokens=1))
