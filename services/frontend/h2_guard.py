@@ -129,12 +129,12 @@ class _ClientSide(asyncio.Protocol):
         self._guard = HeaderBlockGuard(*port._limits)
         self._transport: asyncio.Transport | None = None
         self._inner: asyncio.Transport | None = None
+        self._early: list[bytes] = []  # what came before gRPC was reached (reading pauses at the first)
         self._name = f"pagedserve-{secrets.token_hex(16)}"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        transport.pause_reading()  # until gRPC is reached
         asyncio.get_running_loop().create_task(self._reach_grpc(transport))
 
     async def _reach_grpc(self, transport: asyncio.Transport) -> None:
@@ -155,7 +155,11 @@ class _ClientSide(asyncio.Protocol):
             return
         self._inner = inner
         self._port._peers[_ABSTRACT + self._name] = _grpc_peer(transport.get_extra_info("peername"))
-        transport.resume_reading()
+        for data in self._early:
+            inner.write(data)
+        if self._early:
+            self._early.clear()
+            transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         problem = self._guard.feed(data)
@@ -164,7 +168,11 @@ class _ClientSide(asyncio.Protocol):
             log.warning("closed the connection of %s: %s", peer, problem)
             self._close()
             return
-        assert self._inner is not None  # reading resumes only once gRPC is reached
+        if self._inner is None:  # not reached yet: hold this, and read no more until it is
+            self._early.append(data)
+            assert self._transport is not None
+            self._transport.pause_reading()
+            return
         self._inner.write(data)
 
     def eof_received(self) -> bool:

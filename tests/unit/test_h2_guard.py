@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from asyncio import selector_events
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from services.frontend.h2_guard import PREFACE, GuardedPort, HeaderBlockGuard
+from services.frontend.h2_guard import PREFACE, GuardedPort, HeaderBlockGuard, _ClientSide
 
 DATA, HEADERS, SETTINGS, CONTINUATION = 0x0, 0x1, 0x4, 0x9
 END_STREAM, END_HEADERS = 0x1, 0x4
@@ -65,9 +67,26 @@ def test_a_single_headers_frame_over_the_limit_is_caught() -> None:
     assert fed(PREFACE + frame(HEADERS, END_HEADERS, 1, b"h" * 1001), 4096) is not None
 
 
-def test_a_call_through_the_relay_reaches_grpc_with_the_clients_own_address(tmp_path: Path) -> None:
+@pytest.mark.parametrize("late_s", [0.0, 0.3])
+def test_a_call_through_the_relay_reaches_grpc_with_the_clients_own_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late_s: float
+) -> None:
     """A gRPC server behind the guard sees each connection as a unix peer of its own, which the guard turns
-    back into the client's TCP address, port and all."""
+    back into the client's TCP address, port and all; also when the client's first bytes come before the
+    guard has reached gRPC (late_s: the connection to gRPC made that much later), which must be held, not
+    dropped (Python 3.11.2's transports, Debian 12's, start reading after connection_made, paused or not)."""
+    reach = _ClientSide._reach_grpc
+
+    async def late(self: _ClientSide, transport: asyncio.Transport) -> None:
+        await asyncio.sleep(late_s)
+        await reach(self, transport)
+
+    def add_reader_as_311_2(transport: Any, fd: int, callback: Any, *args: Any) -> None:
+        if not transport._closing:  # Debian 12's Python 3.11.2: no is_reading() check here
+            transport._loop._add_reader(fd, callback, *args)
+
+    monkeypatch.setattr(_ClientSide, "_reach_grpc", late)
+    monkeypatch.setattr(selector_events._SelectorTransport, "_add_reader", add_reader_as_311_2)
 
     async def scenario() -> tuple[str, str]:
         port = GuardedPort(str(tmp_path / "grpc.sock"), max_block_bytes=32768)
