@@ -30,6 +30,7 @@ from kernels import KernelBackend, TorchBackend  # noqa: E402
 from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
+from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
@@ -66,7 +67,8 @@ def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
     for key in range(sequences):
         engine.add(
             engine.new_sequence(
-                key, [rng.randrange(100, 40000) for _ in range(rng.randint(64, 128))], options
+                key,
+                EngineRequest(tuple(rng.randrange(100, 40000) for _ in range(rng.randint(64, 128))), options),
             )
         )
     engine.step()  # every prompt in one prefill step

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from kernels import TorchBackend  # noqa: E402
 from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
+from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
@@ -54,7 +55,10 @@ def main() -> int:
     options = SamplingOptions(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     for key, length in enumerate(lengths):
         engine.add(
-            engine.new_sequence(key, [rng.randint(100, spec.vocab_size - 1) for _ in range(length)], options)
+            engine.new_sequence(
+                key,
+                EngineRequest(tuple(rng.randint(100, spec.vocab_size - 1) for _ in range(length)), options),
+            )
         )
     decode_step = (args.requests, args.requests)  # (tokens, sampled rows): every request decodes
     while engine.last_batch != decode_step:

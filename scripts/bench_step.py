@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memory_daemon.shape import PoolShape  # noqa: E402
+from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.core import model_runner  # noqa: E402
@@ -111,7 +112,7 @@ def time_steps(args: argparse.Namespace, engine: EngineCore, phases: Phases) -> 
     options = SamplingOptions(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
     for key in range(args.batch):
         prompt = [(7 * key + i) % 1000 + 3 for i in range(args.prompt)]
-        engine.add(engine.new_sequence(key, prompt, options))
+        engine.add(engine.new_sequence(key, EngineRequest(tuple(prompt), options)))
     while engine.last_batch[0] != args.batch:  # the prefills, until every request decodes
         engine.step()
     engine.step()  # a decode step, warm

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
+from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.common.structured import Constraint  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
@@ -85,7 +86,7 @@ def run(engines: dict[str, EngineCore], prompt: list[int], batch: int, tokens: i
         structured = Constraint("json_schema", json.dumps(SCHEMA)) if name != "free" else None
         options = SamplingOptions(max_tokens=tokens, temperature=0.0, structured=structured)
         for key in range(batch):
-            core.add(core.new_sequence(key, prompt, options))
+            core.add(core.new_sequence(key, EngineRequest(tuple(prompt), options)))
     steps: dict[str, list[float]] = {name: [] for name in engines}
     mask_s = 0.0
     while any(core.has_unfinished() for core in engines.values()):

@@ -36,6 +36,7 @@ from memory_daemon.shape import PoolShape  # noqa: E402
 from pagedserve.plumbing.rpc import wait_for_health  # noqa: E402
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
+from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.common.wire import sampling_to_pb  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
@@ -68,7 +69,7 @@ def run_in_lockstep(
     options = SamplingOptions(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         for key, prompt in enumerate(prompts):
-            engine.add(engine.new_sequence(key, prompt, options))
+            engine.add(engine.new_sequence(key, EngineRequest(tuple(prompt), options)))
     steps: dict[str, list[Step]] = {name: [] for name in engines}
     while any(engine.has_unfinished() for engine in engines.values()):
         for name, engine in engines.items():

@@ -1,8 +1,9 @@
 """The Worker contract's shared conversions, used by the frontend's and the worker's servicers alone.
 
-Sampling options travel as the public `pagedserve.v1.SamplingParams`, resolved by the frontend (every field
-set), so each sampling field is spelled once in the .proto and once in `SamplingOptions`. A worker's
-refusal or failure travels as (message, grpc.StatusCode value), and the frontend passes it on unchanged.
+An `EngineRequest` travels as a Submit (`submit_pb`, `request_from_pb`: its one conversion). Sampling options
+travel as the public `pagedserve.v1.SamplingParams`, resolved by the frontend (every field set), so each
+sampling field is spelled once in the .proto and once in `SamplingOptions`. A worker's refusal or failure
+travels as (message, grpc.StatusCode value), and the frontend passes it on unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pagedserve.plumbing.messages import from_message, to_message
 from pagedserve.plumbing.status import grpc_code
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
+from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.common.structured import Constraint
 
@@ -42,6 +44,29 @@ def sampling_to_pb(options: SamplingOptions) -> generation_pb2.SamplingParams:
     structured = None if options.structured is None else constraint_to_pb(options.structured)
     return to_message(
         options, generation_pb2.SamplingParams, logit_bias=dict(options.logit_bias), structured=structured
+    )
+
+
+def submit_pb(request_id: str, request: EngineRequest) -> worker_pb2.Submit:
+    return to_message(
+        request,
+        worker_pb2.Submit,
+        request_id=request_id,
+        prompt_token_ids=request.prompt_ids,
+        sampling=sampling_to_pb(request.options),
+        generated_token_ids=request.generated,
+    )
+
+
+def request_from_pb(submit: worker_pb2.Submit) -> EngineRequest:
+    """The request a Submit carries, its sampling options checked (InvalidArgument for one out of range)."""
+    return EngineRequest(
+        prompt_ids=tuple(submit.prompt_token_ids),
+        options=sampling_from_pb(submit.sampling),
+        priority=submit.priority,
+        cache_salt=submit.cache_salt,
+        follows=submit.follows,
+        generated=tuple(submit.generated_token_ids),
     )
 
 

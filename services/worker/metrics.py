@@ -1,15 +1,12 @@
 """The worker's Prometheus metrics: its engine's load, KV use, token counts and step times.
 
 The engine runs in its own thread and prometheus_client scrapes from another, so the collector reads only
-what is safe to read across threads: plain int attributes of the core and its scheduler, `EngineLoop.load()`
-and `KVCache.usage()` (both take their own locks), and `EngineLoop.kv_slots`, a tuple the engine thread
-replaces after every step rather than the running sequences themselves. Step time and tokens per step go
-into two histograms through the loop's `on_step` hook, one observation each per forward pass.
+the engine's facade: `Engine.stats()`, a frozen snapshot the engine thread replaces after every step,
+`Engine.load()` and the pool's `usage()` (both take their own locks). Step time and tokens per step go into
+two histograms through the engine's `on_step` hook, one observation each per forward pass.
 
-Token counters: a request's prompt tokens, and those of them found in the prefix cache, are counted the
-first time it is scheduled (so cached / prompt is the prefix cache's hit rate over admitted prompts, and a
-recompute after preemption is not counted again); every sampled token counts as a generation token, those
-of cancelled requests included. KV fragmentation is 1 - slots_used / slots_allocated.
+Token counters (`EngineStats`): cached / prompt is the prefix cache's hit rate over admitted prompts. KV
+fragmentation is 1 - slots_used / slots_allocated.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from services.worker.core.loop import EngineLoop
+from services.worker.core.loop import Engine
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_TOKENS_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192
@@ -29,7 +26,7 @@ BATCH_TOKENS_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192
 class EngineCollector(Collector):
     """Gauges and counters read from an engine at scrape time."""
 
-    def __init__(self, engine: EngineLoop) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     def describe(self) -> Iterator[Metric]:
@@ -39,7 +36,7 @@ class EngineCollector(Collector):
         return self._families(self._engine)
 
     @staticmethod
-    def _families(engine: EngineLoop | None) -> Iterator[Metric]:
+    def _families(engine: Engine | None) -> Iterator[Metric]:
         gauges = {
             "running": ("pagedserve_worker_requests_running", "requests running in the engine"),
             "waiting": ("pagedserve_worker_requests_waiting", "requests queued in the engine"),
@@ -63,21 +60,20 @@ class EngineCollector(Collector):
         if engine is None:
             values: dict[str, int] = {}
         else:
-            core, scheduler = engine.core, engine.core.scheduler
+            stats = engine.stats()
             running, waiting = engine.load()
-            usage = core.kv.usage()
-            allocated, used = engine.kv_slots
+            usage = engine.kv.usage()
             values = {
                 "running": running,
                 "waiting": waiting,
                 "pages": usage.in_use_pages + usage.referenced_pages,
-                "allocated": allocated,
-                "used": used,
-                "preemptions": scheduler.preemptions,
-                "prompt": scheduler.prompt_tokens,
-                "cached": scheduler.cached_prompt_tokens,
-                "generation": core.generation_tokens,
-                "steps": core.steps,
+                "allocated": stats.kv_slots_allocated,
+                "used": stats.kv_slots_used,
+                "preemptions": stats.preemptions,
+                "prompt": stats.prompt_tokens,
+                "cached": stats.cached_prompt_tokens,
+                "generation": stats.generation_tokens,
+                "steps": stats.steps,
             }
         for key, (name, text) in gauges.items():
             yield GaugeMetricFamily(name, text, value=values.get(key))
@@ -85,7 +81,7 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(name, text, value=values.get(key))
 
 
-def instrument(engine: EngineLoop, registry: CollectorRegistry = REGISTRY) -> None:
+def instrument(engine: Engine, registry: CollectorRegistry = REGISTRY) -> None:
     """Register the engine's collector and step histograms on registry; call before the engine starts."""
     step_seconds = Histogram(
         "pagedserve_worker_step_seconds",

@@ -26,7 +26,7 @@ from services.worker.config import WorkerConfig
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.engine import EngineCore
 from services.worker.core.grammar import Grammars
-from services.worker.core.loop import EngineLoop
+from services.worker.core.loop import Engine
 from services.worker.kv.base import KVCache
 from services.worker.kv.local import LocalKVCache
 from services.worker.kv.remote import DaemonError, DaemonKVCache
@@ -42,7 +42,7 @@ CONFIG = WorkerConfig  # its fields are the command line
 
 @dataclass
 class LoadedWorker:
-    engine: EngineLoop
+    engine: Engine
     model_dir: Path
     model_id: str
     attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
@@ -94,16 +94,16 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         )
         kv = attach()
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
+    parameters = f"{spec.num_parameters / 1e6:.0f}M"
     log.info(
         "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages %s",
-        model_dir, spec.model_type, f"{spec.num_parameters / 1e6:.0f}M", config.device, dtype_name,
-        kv.num_pages - 1, where,
-    )  # fmt: skip
+        *(model_dir, spec.model_type, parameters, config.device, dtype_name, kv.num_pages - 1, where),
+    )
     graphs = None
     if device.type == "cuda" and config.cuda_graphs:
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()
-    engine = EngineLoop(EngineCore(model, kv, config.engine, graphs, _grammars(model_dir, spec)))
+    engine = Engine(EngineCore(model, kv, config.engine, graphs, _grammars(model_dir, spec)))
     return LoadedWorker(engine, model_dir, model_id, attach)
 
 
@@ -118,7 +118,7 @@ def _grammars(model_dir: Path, spec: ModelSpec) -> Grammars | None:
 
 
 async def keep_attached(
-    engine: EngineLoop,
+    engine: Engine,
     attach: Callable[[], KVCache],
     lost: asyncio.Event,
     refresh: Callable[[], Awaitable[None]],
@@ -131,7 +131,7 @@ async def keep_attached(
         log.warning("the memory daemon went away: failing running requests, waiting to re-attach")
         await asyncio.wrap_future(engine.suspend("the KV memory daemon went away; retry"))
         await refresh()
-        old, refused = engine.core.kv, ""
+        old, refused = engine.kv, ""
         while True:
             try:
                 kv = await asyncio.to_thread(attach)
@@ -156,7 +156,7 @@ async def serve(config: WorkerConfig) -> None:
 
     loaded = await asyncio.to_thread(load_worker, config, on_lost)
     engine = loaded.engine
-    info = worker_info(config, loaded.model_dir, loaded.model_id, engine.core.model.spec)
+    info = worker_info(config, loaded.model_dir, loaded.model_id, engine.spec)
     service = WorkerService(engine, info, loop, config.stall_timeout_s)
     if config.metrics.port:
         instrument(engine)
@@ -185,7 +185,7 @@ async def serve(config: WorkerConfig) -> None:
         if reattach is not None:
             reattach.cancel()
         await asyncio.to_thread(engine.stop)
-        engine.core.kv.close()
+        engine.kv.close()
 
 
 def run(config: WorkerConfig) -> int:

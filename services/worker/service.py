@@ -1,6 +1,7 @@
 """The Worker gRPC servicer: one multiplexed Connect stream per frontend connection, at the engine's edge.
 
-The engine thread hands each step's outputs to `_on_outputs`, which converts them to messages, splits them
+It talks to the engine through its facade (`core.loop.Engine`) alone. The engine thread hands each step's
+outputs to `_on_outputs`, which converts them to messages, splits them
 by stream and passes one StepOutputs per stream to the event loop. A request is keyed in the engine by
 (stream, request id); when a stream ends, a crashed frontend included, every request it still had running
 is aborted, so its pages come back within one step. This module and `wire` are the only places where the
@@ -11,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,11 +26,9 @@ from grpc_health.v1.health import aio as health_aio
 from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.wire import HEARTBEAT_S, constraint_from_pb, error_fields, sampling_from_pb
+from services.common.wire import HEARTBEAT_S, error_fields, request_from_pb
 from services.worker.config import WorkerConfig
-from services.worker.core.loop import EngineLoop
-from services.worker.core.outputs import RequestOutput
-from services.worker.core.sequence import TokenLogprob
+from services.worker.core.loop import Engine, RequestOutput, TokenLogprob
 from services.worker.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -44,7 +41,7 @@ _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Heal
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(
         self,
-        engine: EngineLoop,
+        engine: Engine,
         info: worker_pb2.WorkerInfo,
         loop: asyncio.AbstractEventLoop,
         stall_timeout_s: float = 5.0,
@@ -56,7 +53,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
         self._serving = True
         self._streams: dict[int, asyncio.Queue[worker_pb2.StepOutputs | None]] = {}
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._stream_ids = itertools.count(1)
         engine.on_outputs = self._on_outputs
 
@@ -131,48 +127,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         queue: asyncio.Queue[worker_pb2.StepOutputs | None],
         live: set[str],
     ) -> None:
-        compiling: dict[str, asyncio.Task[None]] = {}  # structured requests whose grammar is compiling
         try:
             async for request in requests:
                 for submit in request.submit:
-                    if submit.sampling.HasField("structured"):
-                        task = asyncio.create_task(self._compile_then_submit(stream, submit, queue, live))
-                        compiling[submit.request_id] = task
-                        task.add_done_callback(functools.partial(_forget, compiling, submit.request_id))
-                    elif error := self._submit(stream, submit, live):
+                    if error := self._submit(stream, submit, live):
                         self._refuse(queue, submit.request_id, error)
-                for rid in request.abort:
-                    if rid in compiling:
-                        compiling[rid].cancel()
                 if request.abort:
                     self._engine.abort((stream, rid) for rid in request.abort if rid in live)
-            await asyncio.gather(*compiling.values(), return_exceptions=True)
         finally:
-            for task in compiling.values():
-                task.cancel()
             queue.put_nowait(None)
-
-    async def _compile_then_submit(
-        self,
-        stream: int,
-        submit: worker_pb2.Submit,
-        queue: asyncio.Queue[worker_pb2.StepOutputs | None],
-        live: set[str],
-    ) -> None:
-        """Compile a request's grammar on the compiler's thread, then submit it: a schema that takes seconds
-        to compile holds up neither this loop (heartbeats, other streams) nor the requests without one."""
-        grammars = self._engine.core.grammars
-        try:
-            if grammars is not None:
-                constraint = constraint_from_pb(submit.sampling.structured)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._compiler, grammars.compiled, constraint
-                )
-        except StatusError as refusal:
-            self._refuse(queue, submit.request_id, error_fields(refusal))
-            return
-        if error := self._submit(stream, submit, live):  # the grammar now comes from the cache
-            self._refuse(queue, submit.request_id, error)
 
     def _refuse(
         self, queue: asyncio.Queue[worker_pb2.StepOutputs | None], request_id: str, error: dict
@@ -193,19 +156,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"request id {submit.request_id!r} is already running on this stream; ids must be unique"
             )
         try:
-            options = sampling_from_pb(submit.sampling)
-            key = (stream, submit.request_id)
-            follows = (stream, submit.follows) if submit.follows in live else None
-            seq = self._engine.core.new_sequence(
-                key,
-                submit.prompt_token_ids,
-                options,
-                submit.priority,
-                submit.cache_salt,
-                follows,
-                submit.generated_token_ids,
-            )
-            self._engine.submit(seq)
+            self._engine.submit((stream, submit.request_id), request_from_pb(submit))
         except StatusError as refusal:
             return error_fields(refusal)
         live.add(submit.request_id)
@@ -227,7 +178,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _load(self) -> worker_pb2.Load:
         running, waiting = self._engine.load()
-        kv = self._engine.core.kv
+        kv = self._engine.kv
         usage = kv.usage()
         return worker_pb2.Load(
             running=running,
@@ -236,10 +187,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_pages_total=kv.num_pages - 1,
             unavailable=self.unavailable(),
         )
-
-
-def _forget(tasks: dict[str, asyncio.Task[None]], request_id: str, _: asyncio.Task[None]) -> None:
-    tasks.pop(request_id, None)
 
 
 def output_pb(request_id: str, output: RequestOutput) -> worker_pb2.RequestOutput:

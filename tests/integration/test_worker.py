@@ -143,7 +143,11 @@ def test_bad_submits_get_errors_and_the_worker_keeps_serving(
         "too-long": ([5] * 9000, good, "the prompt has 9000 tokens, but the model's context is 8192"),
         # Within the context, but past the pool's 256 MiB: (7000 + 1) / 16 pages.
         "too-big-for-the-pool": ([5] * 7000, good, "the prompt needs 438 KV pages, more than the pool's"),
-        "bad-token": ([5, 49152], good, "the prompt has token id 49152, outside the vocabulary (0..49151)"),
+        "bad-token": (
+            [5, 49152],
+            good,
+            "prompt_token_ids holds 49152, which is not a token of this model (0..49151)",
+        ),
         "empty": ([], good, "the prompt is empty"),
         "bad-temperature": (
             [5, 6],

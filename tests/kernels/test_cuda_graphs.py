@@ -15,12 +15,13 @@ import torch
 
 from kernels.cupy_backend import CupyBackend
 from memory_daemon.shape import PoolShape
+from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.batch import build_batch
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.engine import EngineConfig, EngineCore
 from services.worker.core.model_runner import StepInFlight
-from services.worker.core.plan import ScheduledSeq
+from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import Sequence
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM
@@ -52,7 +53,8 @@ def graph_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def decode_item(gen: torch.Generator, key: int, length: int, pages: Seq[int], vocab: int) -> ScheduledSeq:
     """A running sequence of `length` tokens, all but the last one cached: its step is a decode."""
     tokens = torch.randint(3, vocab, (length,), generator=gen).tolist()
-    seq = Sequence(key, tokens, length, SamplingOptions(), 0, key, pages=list(pages), num_computed=length - 1)
+    seq = Sequence(key, EngineRequest(tuple(tokens), SamplingOptions()), arrival=key)
+    seq.pages, seq.num_computed = list(pages), length - 1  # as a running decode's
     return ScheduledSeq(seq, length - 1, 1)
 
 
@@ -119,7 +121,7 @@ def test_an_async_decode_step_launches_with_no_host_sync(backend: CupyBackend, g
         engine = EngineCore(model, kv, EngineConfig(max_num_seqs=4, async_scheduling=scheduling), graphs)
         checked = no_sync_on_decodes_ahead(engine)
         for key, prompt in enumerate(prompts):
-            engine.add(engine.new_sequence(key, prompt, options))
+            engine.add(engine.new_sequence(key, EngineRequest(tuple(prompt), options)))
         outputs = engine.run_until_done()
         runs[scheduling] = sorted((o.key, o.token_ids, [lp.token_id for lp in o.logprobs]) for o in outputs)
         assert_pages_back(kv)
@@ -132,12 +134,12 @@ def no_sync_on_decodes_ahead(engine: EngineCore) -> list[int]:
     list of their sizes, which grows as they run."""
     launch, checked = engine.runner.launch, []
 
-    def strict(items: list[ScheduledSeq], previous: StepInFlight | None = None) -> StepInFlight:
+    def strict(items: list[ScheduledSeq], number: int, previous: StepInFlight | None = None) -> StepInFlight:
         if previous is None or any(item.count != 1 for item in items):
-            return launch(items, previous)
+            return launch(items, number, previous)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(items, previous)
+            return launch(items, number, previous)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             checked.append(len(items))

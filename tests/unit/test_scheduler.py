@@ -1,27 +1,125 @@
-"""The scheduler, driven step by step without a model (tests/unit/scheduling.py): token budget, chunked
-prefill, admission by rank, and a random workload that keeps every rule and exact page accounting.
+"""The scheduler, driven step by step without a model.
+
+Each test runs the scheduler over a tiny in-process pool (4 tokens a page, refills of exactly one page),
+so page counts are exact. `step` stands in for the model only: it samples one fake token for every chunk
+that samples, and hands them to the scheduler's own postprocess, as the engine core does.
+
+Sections: the pool and fake step helpers; token budget and chunked prefill; admission by rank; prefix
+caching on admission; preemption by recompute; sequences the pool cannot hold; finish() and the stop
+rules postprocess applies; a launched step's tokens; and a random workload that keeps every rule and
+exact page accounting.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
+import torch
 
+from memory_daemon.refill import RefillSettings
+from memory_daemon.shape import PoolShape
+from services.common.request import EngineRequest
+from services.common.sampling import SamplingOptions
+from services.worker.core.model_runner import StepInFlight
+from services.worker.core.sampler import Draw, Samples
+from services.worker.core.scheduler import ScheduledSeq, Scheduler
 from services.worker.core.sequence import FinishReason, Sequence, Status
-from tests.unit.scheduling import (
-    PAGE_SIZE,
-    assert_settled,
-    held_pages,
-    make_kv,
-    make_scheduler,
-    make_seq,
-    prompt,
-    run_until_idle,
-    step,
-)
+from services.worker.kv.local import LocalKVCache
 
-# Token budget and chunked prefill --------------------------------------------------------------------
+# A tiny pool and a fake model step --------------------------------------------------------------------------
+
+PAGE_SIZE = 4
+SHAPE = PoolShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", page_size=PAGE_SIZE)
+FAKE_TOKEN = 1000  # sampled tokens are FAKE_TOKEN + their position: never a prompt token here
+
+Item = tuple[str, int, int, bool]  # (key, start, count, samples) of one scheduled chunk
+
+
+@dataclass(frozen=True)
+class Step:
+    items: list[Item]  # what the schedule ran, in order
+    dropped: list[str]  # plan.ended: ended by the scheduler, the pool cannot hold them alone
+    done: list[str]  # finished after sampling, at their max_tokens
+
+
+def make_kv(usable_pages: int) -> LocalKVCache:
+    """A pool of `usable_pages` pages (plus the null page) that leases one page at a time."""
+    return LocalKVCache(SHAPE, usable_pages + 1, refill=RefillSettings(min_pages=1, max_pages=1))
+
+
+def make_scheduler(
+    kv: LocalKVCache, *, max_batched_tokens: int = 64, max_num_seqs: int = 8, prefix_caching: bool = True
+) -> Scheduler:
+    return Scheduler(
+        kv, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching
+    )
+
+
+def prompt(length: int, first: int = 0) -> list[int]:
+    return list(range(first, first + length))
+
+
+def make_seq(
+    key: str, tokens: list[int], *, max_tokens: int, priority: int = 0, arrival: int = 0
+) -> Sequence:
+    request = EngineRequest(tuple(tokens), SamplingOptions(max_tokens=max_tokens), priority=priority)
+    return Sequence(key, request, arrival)
+
+
+def launch(scheduler: Scheduler, items: list[ScheduledSeq]) -> StepInFlight:
+    """Commit the scheduled items as the model runner's next step, with no model: the test supplies the
+    step's samples to postprocess."""
+    no_draw = Draw(torch.empty(0, dtype=torch.long), [], [], frozenset(), (), None)
+    sampled = [item.seq for item in items if item.samples]
+    epochs = [item.seq.epoch for item in items]
+    step = StepInFlight(scheduler.launched + 1, items, epochs, sampled, no_draw, 0, [])
+    scheduler.commit(step)
+    return step
+
+
+def step(scheduler: Scheduler) -> Step:
+    """Schedule once, sample a fake token for each chunk that samples, and postprocess."""
+    plan = scheduler.schedule()
+    items = [(str(item.seq.key), item.start, item.count, item.samples) for item in plan.items]
+    sampled = [item.seq for item in plan.items if item.samples]
+    tokens = [FAKE_TOKEN + seq.num_tokens for seq in sampled]
+    outputs = scheduler.postprocess(launch(scheduler, plan.items), Samples(tokens, [None] * len(tokens)))
+    assert [output.token_ids for output in outputs] == [[token] for token in tokens]
+    done = [str(output.key) for output in outputs if output.finish_reason is not None]
+    assert all(output.finish_reason is FinishReason.LENGTH for output in outputs if str(output.key) in done)
+    return Step(items, [str(output.key) for output in plan.ended], done)
+
+
+def run_until_idle(scheduler: Scheduler, max_steps: int = 100) -> list[Step]:
+    steps: list[Step] = []
+    while scheduler.running or scheduler.num_waiting:
+        assert len(steps) < max_steps, "the scheduler made no progress"
+        steps.append(step(scheduler))
+    return steps
+
+
+def held_pages(kv: LocalKVCache) -> int:
+    """Pages the worker holds for sequences: its own in use, plus references on shared ones."""
+    usage = kv.usage()
+    return usage.in_use_pages + usage.referenced_pages
+
+
+def assert_settled(kv: LocalKVCache) -> None:
+    """No page is held for a sequence, the books are exact, and closing the lease leaves the pool settled."""
+    usage = kv.usage()
+    assert (usage.in_use_pages, usage.referenced_pages) == (0, 0)
+    counts = kv.stats()
+    assert counts.leased_pages == usage.idle_pages  # only the local free list is still leased
+    assert counts.free_pages + counts.evictable_pages + counts.leased_pages == counts.total_pages
+    kv.ledger.check_invariants()
+    kv.close()  # the idle pages go back
+    assert kv.stats().settled
+    kv.ledger.check_invariants()
+
+
+# Token budget and chunked prefill ---------------------------------------------------------------------------
 
 
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_then_decodes_a_token_a_step() -> None:
@@ -109,7 +207,7 @@ def test_max_num_seqs_caps_the_running_sequences() -> None:
     assert_settled(kv)
 
 
-# Admission by rank -----------------------------------------------------------------------------------
+# Admission by rank ------------------------------------------------------------------------------------------
 
 
 def test_waiting_sequences_are_admitted_by_priority_then_arrival() -> None:
@@ -125,7 +223,347 @@ def test_waiting_sequences_are_admitted_by_priority_then_arrival() -> None:
     assert_settled(kv)
 
 
-# A random workload -----------------------------------------------------------------------------------
+# Prefix caching on admission --------------------------------------------------------------------------------
+
+
+def test_admission_reuses_published_prefix_pages() -> None:
+    kv = make_kv(16)
+    scheduler = make_scheduler(kv)
+    first = make_seq("first", prompt(10), max_tokens=2, arrival=0)  # two full pages and two tokens
+    scheduler.add(first)
+    assert step(scheduler).items == [("first", 0, 10, True)]
+    first_pages = first.pages[:2]
+    scheduler.finish(first, FinishReason.STOP)  # its published pages stay cached
+    assert first.cached_prompt_tokens == 0
+    assert kv.stats().cached_pages == 2
+
+    second = make_seq("second", [*prompt(10), 50, 51, 52], max_tokens=2, arrival=1)
+    scheduler.add(second)
+    assert step(scheduler).items == [("second", 8, 5, True)]  # the third page differs: 2 pages found
+    assert (second.cached_prompt_tokens, second.num_computed, len(second.pages)) == (8, 13, 4)
+    assert second.pages[:2] == first_pages  # the very pages "first" published
+    assert second.num_shared == 3  # the two found, and its own third page once computed
+    counts = kv.stats()
+    assert (counts.prefix_lookups, counts.prefix_hits, counts.prefix_hit_pages) == (2, 1, 2)
+    assert [s.items for s in run_until_idle(scheduler)] == [[("second", 13, 1, True)]]
+    assert_settled(kv)
+
+
+def test_a_prompt_of_whole_pages_leaves_its_last_page_to_compute() -> None:
+    kv = make_kv(16)
+    scheduler = make_scheduler(kv)
+    scheduler.add(make_seq("first", prompt(12), max_tokens=1, arrival=0))
+    run_until_idle(scheduler)
+    assert kv.stats().cached_pages == 3
+
+    again = make_seq("again", prompt(12), max_tokens=1, arrival=1)  # every page is cached
+    scheduler.add(again)
+    assert step(scheduler).items == [("again", 8, 4, True)]  # the last page is computed, to sample from
+    assert again.cached_prompt_tokens == 8
+
+    page = make_seq("page", prompt(4), max_tokens=1, arrival=2)  # one page: nothing may match
+    scheduler.add(page)
+    lookups = kv.stats().prefix_lookups
+    assert step(scheduler).items == [("page", 0, 4, True)]
+    assert (page.cached_prompt_tokens, kv.stats().prefix_lookups) == (0, lookups)  # not even looked up
+    assert_settled(kv)
+
+
+def test_without_prefix_caching_nothing_is_published_or_matched() -> None:
+    kv = make_kv(16)
+    scheduler = make_scheduler(kv, prefix_caching=False)
+    scheduler.add(make_seq("first", prompt(10), max_tokens=1, arrival=0))
+    run_until_idle(scheduler)
+    second = make_seq("second", prompt(10), max_tokens=1, arrival=1)
+    scheduler.add(second)
+
+    assert step(scheduler).items == [("second", 0, 10, True)]
+    assert (second.cached_prompt_tokens, second.num_shared) == (0, 0)
+    counts = kv.stats()
+    assert (counts.prefix_lookups, counts.cached_pages, counts.shared_pages) == (0, 0, 0)
+    assert_settled(kv)
+
+
+def test_a_sequence_that_cannot_be_admitted_drops_its_prefix_references() -> None:
+    kv = make_kv(4)
+    scheduler = make_scheduler(kv)
+    scheduler.add(make_seq("seed", prompt(8), max_tokens=1, arrival=0))
+    run_until_idle(scheduler)  # two cached pages, evictable
+    hog = make_seq("hog", prompt(7, first=100), max_tokens=2, arrival=1)
+    scheduler.add(hog)
+    assert step(scheduler).items == [("hog", 0, 7, True)]  # the two free pages: "seed"'s stay cached
+
+    reuse = make_seq("reuse", [*prompt(8), 60, 61, 62, 63, 64], max_tokens=1, arrival=2)
+    scheduler.add(reuse)
+    blocked = step(scheduler)  # "reuse" finds the 2 cached pages but needs 2 more: none is left
+    assert (blocked.items, blocked.done) == ([("hog", 7, 1, True)], ["hog"])
+    assert (reuse.status, reuse.pages, reuse.num_computed) == (Status.WAITING, [], 0)
+    assert held_pages(kv) == 0  # it does not sit on the cached pages while it waits
+    assert kv.stats().evictable_pages == 4  # "seed"'s two and "hog"'s two
+
+    assert [s.items for s in run_until_idle(scheduler)] == [[("reuse", 8, 5, True)]]
+    assert reuse.cached_prompt_tokens == 8
+    assert_settled(kv)
+
+
+# Preemption by recompute ------------------------------------------------------------------------------------
+
+
+def test_the_worst_ranked_running_sequence_is_preempted_and_recomputed_later() -> None:
+    kv = make_kv(5)
+    scheduler = make_scheduler(kv, prefix_caching=False)
+    best = make_seq("best", prompt(4), max_tokens=3, priority=0, arrival=2)  # latest, but best priority
+    mid = make_seq("mid", prompt(5, first=10), max_tokens=3, priority=1, arrival=0)
+    worst = make_seq("worst", prompt(5, first=20), max_tokens=3, priority=1, arrival=1)  # ties, arrived later
+    for seq in (best, mid, worst):
+        scheduler.add(seq)
+
+    assert step(scheduler).items == [("best", 0, 4, True), ("mid", 0, 5, True), ("worst", 0, 5, True)]
+    assert [len(seq.pages) for seq in (best, mid, worst)] == [1, 2, 2]
+    assert (held_pages(kv), kv.stats().free_pages) == (5, 0)
+
+    # "best" needs a second page and the pool is full: of "mid" and "worst", "worst" goes.
+    assert step(scheduler).items == [("best", 4, 1, True), ("mid", 5, 1, True)]
+    assert (scheduler.preemptions, worst.preemptions, best.preemptions, mid.preemptions) == (1, 1, 0, 0)
+    assert (worst.status, worst.num_computed, worst.pages) == (Status.WAITING, 0, [])
+    assert worst.tokens == [20, 21, 22, 23, 24, 1005]  # its sampled token stays, to be recomputed
+    assert scheduler.running == [best, mid] and scheduler.num_waiting == 1
+    assert [len(seq.pages) for seq in (best, mid)] == [2, 2]
+    assert (held_pages(kv), kv.usage().idle_pages) == (4, 1)  # one of its pages went to "best"
+
+    third = step(scheduler)  # "worst" needs two pages, one is free: it waits until the others finish
+    assert (third.items, third.done) == ([("best", 5, 1, True), ("mid", 6, 1, True)], ["best", "mid"])
+    assert [s.items for s in run_until_idle(scheduler)] == [
+        [("worst", 0, 6, True)],  # prompt and output recomputed from scratch
+        [("worst", 6, 1, True)],
+    ]
+    assert worst.output_ids == [1005, 1006, 1007]
+    assert (worst.finish_reason, scheduler.preemptions) == (FinishReason.LENGTH, 1)
+    assert_settled(kv)
+
+
+def test_a_sequence_preempts_itself_rather_than_a_better_ranked_one() -> None:
+    kv = make_kv(3)
+    scheduler = make_scheduler(kv, prefix_caching=False)
+    better = make_seq("better", prompt(4), max_tokens=3, priority=0, arrival=1)
+    worse = make_seq("worse", prompt(4, first=10), max_tokens=2, priority=1, arrival=0)  # arrived first
+    scheduler.add(worse)
+    scheduler.add(better)
+    assert step(scheduler).items == [("better", 0, 4, True), ("worse", 0, 4, True)]
+    first_page = better.pages[0]
+
+    # "better" takes the last page; "worse" needs one too, and as no worse sequence runs, it goes itself.
+    assert step(scheduler).items == [("better", 4, 1, True)]
+    assert (better.status, better.num_computed, len(better.pages)) == (Status.RUNNING, 5, 2)
+    assert better.pages[0] == first_page
+    assert (worse.status, worse.pages, worse.num_computed) == (Status.WAITING, [], 0)
+    assert (better.preemptions, worse.preemptions, scheduler.preemptions) == (0, 1, 1)
+    assert [s.items for s in run_until_idle(scheduler)] == [
+        [("better", 5, 1, True)],  # one page is free, "worse" needs two
+        [("worse", 0, 5, True)],
+    ]
+    assert_settled(kv)
+
+
+def test_a_better_ranked_waiting_sequence_waits_rather_than_preempting() -> None:
+    kv = make_kv(2)
+    scheduler = make_scheduler(kv)
+    scheduler.add(make_seq("low", prompt(7), max_tokens=2, priority=9, arrival=0))
+    assert step(scheduler).items == [("low", 0, 7, True)]  # both pages
+
+    scheduler.add(make_seq("high", prompt(4, first=100), max_tokens=1, priority=0, arrival=1))
+    second = step(scheduler)
+    assert (second.items, second.done, scheduler.preemptions) == ([("low", 7, 1, True)], ["low"], 0)
+    assert [s.items for s in run_until_idle(scheduler)] == [[("high", 0, 4, True)]]
+    assert_settled(kv)
+
+
+def test_a_preempted_sequence_recomputes_only_what_is_not_cached() -> None:
+    kv = make_kv(4)
+    scheduler = make_scheduler(kv)
+    short = make_seq("short", prompt(4), max_tokens=2, priority=0, arrival=0)
+    long = make_seq("long", prompt(8, first=100), max_tokens=2, priority=1, arrival=1)
+    scheduler.add(short)
+    scheduler.add(long)
+    assert step(scheduler).items == [("short", 0, 4, True), ("long", 0, 8, True)]
+    assert (short.num_shared, long.num_shared) == (1, 2)  # their full pages are published
+
+    # "short" takes the last free page; "long" needs a third and goes, its published pages stay cached.
+    second = step(scheduler)
+    assert (second.items, second.done) == ([("short", 4, 1, True)], ["short"])
+    assert (long.status, long.pages, long.preemptions) == (Status.WAITING, [], 1)
+    counts = kv.stats()
+    assert (counts.cached_pages, counts.evictable_pages) == (3, 3)  # "long"'s two and "short"'s one
+
+    assert [s.items for s in run_until_idle(scheduler)] == [
+        [("long", 8, 1, True)],  # its two prompt pages come from the cache: only the sampled token is left
+    ]
+    assert long.cached_prompt_tokens == 0  # what the first admission found, not the readmission
+    assert kv.stats().prefix_hit_pages == 4  # 2 when its readmission failed in step 2, 2 in step 3
+    assert_settled(kv)
+
+
+# Sequences the pool cannot hold -----------------------------------------------------------------------------
+
+
+def test_a_prompt_larger_than_the_pool_is_finished_with_length() -> None:
+    kv = make_kv(4)  # 16 tokens
+    scheduler = make_scheduler(kv, max_batched_tokens=8)
+    seq = make_seq("big", prompt(20), max_tokens=4)
+    scheduler.add(seq)
+    assert step(scheduler).items == [("big", 0, 8, False)]
+    assert step(scheduler).items == [("big", 8, 8, False)]
+
+    plan = scheduler.schedule()  # the last chunk needs a fifth page: alone, it cannot have one
+    assert (plan.items, [output.key for output in plan.ended]) == ([], [seq.key])
+    assert (seq.status, seq.finish_reason, seq.pages, seq.output_ids) == (
+        Status.FINISHED,
+        FinishReason.LENGTH,
+        [],
+        [],
+    )
+    assert not scheduler.running and scheduler.num_waiting == 0 and scheduler.preemptions == 0
+    assert_settled(kv)
+
+
+def test_a_sequence_that_outgrows_the_pool_while_decoding_is_finished_with_length() -> None:
+    kv = make_kv(2)
+    scheduler = make_scheduler(kv)
+    seq = make_seq("grows", prompt(7), max_tokens=10)
+    scheduler.add(seq)
+    steps = run_until_idle(scheduler)
+    assert [(s.items, s.dropped) for s in steps] == [
+        ([("grows", 0, 7, True)], []),
+        ([("grows", 7, 1, True)], []),
+        ([], ["grows"]),  # the ninth token needs a third page
+    ]
+    assert (seq.finish_reason, seq.output_ids) == (FinishReason.LENGTH, [1007, 1008])
+    assert_settled(kv)
+
+
+# finish() and the stop rules --------------------------------------------------------------------------------
+
+
+def test_finishing_a_running_sequence_frees_its_pages_at_once() -> None:
+    kv = make_kv(4)
+    scheduler = make_scheduler(kv)
+    a = make_seq("a", prompt(6), max_tokens=5, arrival=0)
+    b = make_seq("b", prompt(6, first=100), max_tokens=5, arrival=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler).items == [("a", 0, 6, True), ("b", 0, 6, True)]
+    assert held_pages(kv) == 4 and kv.stats().free_pages == 0
+
+    scheduler.finish(a, FinishReason.ABORT)
+    assert (a.status, a.finish_reason, a.pages, a.num_computed) == (
+        Status.FINISHED,
+        FinishReason.ABORT,
+        [],
+        0,
+    )
+    assert scheduler.running == [b]
+    assert held_pages(kv) == 2  # "a"'s published page is cached, its other page is free again
+    assert kv.stats().evictable_pages == 1
+
+    scheduler.finish(b, FinishReason.STOP)
+    assert not scheduler.running and held_pages(kv) == 0
+    assert step(scheduler).items == []
+    assert_settled(kv)
+
+
+def test_finishing_a_waiting_sequence_removes_it_from_the_queue() -> None:
+    kv = make_kv(3)
+    scheduler = make_scheduler(kv, prefix_caching=False)
+    better = make_seq("better", prompt(4), max_tokens=2, priority=0, arrival=0)
+    worse = make_seq("worse", prompt(4, first=10), max_tokens=2, priority=1, arrival=1)
+    never = make_seq("never", prompt(4, first=20), max_tokens=2, priority=2, arrival=2)
+    for seq in (better, worse, never):
+        scheduler.add(seq)
+    assert step(scheduler).items == [("better", 0, 4, True), ("worse", 0, 4, True), ("never", 0, 4, True)]
+    # "better" and "worse" each need a second page: "never" is preempted for "better", "worse" goes itself.
+    second = step(scheduler)
+    assert (second.items, second.done) == ([("better", 4, 1, True)], ["better"])
+    assert (never.status, worse.status, scheduler.num_waiting) == (Status.WAITING, Status.WAITING, 2)
+
+    scheduler.finish(never, FinishReason.ABORT)  # a preempted sequence, waiting to be recomputed
+    assert (never.status, never.finish_reason, never.pages, scheduler.num_waiting) == (
+        Status.FINISHED,
+        FinishReason.ABORT,
+        [],
+        1,
+    )
+    assert [s.items for s in run_until_idle(scheduler)] == [[("worse", 0, 5, True)]]
+    assert scheduler.preemptions == 2
+    assert_settled(kv)
+
+
+@pytest.mark.parametrize(
+    ("options", "token", "max_model_len", "reason"),
+    [
+        (SamplingOptions(max_tokens=5), 2, 100, FinishReason.STOP),  # EOS
+        (SamplingOptions(max_tokens=5, ignore_eos=True), 2, 100, None),
+        (SamplingOptions(max_tokens=5, ignore_eos=True, stop_token_ids=(2,)), 2, 100, FinishReason.STOP),
+        (SamplingOptions(max_tokens=5, stop_token_ids=(7,)), 7, 100, FinishReason.STOP),
+        (SamplingOptions(max_tokens=1), 9, 100, FinishReason.LENGTH),
+        (SamplingOptions(max_tokens=5), 9, 6, FinishReason.LENGTH),  # the context is full
+        (SamplingOptions(max_tokens=5), 9, 100, None),
+    ],
+)
+def test_postprocess_applies_the_stop_rules_and_frees_a_finished_sequence(
+    options: SamplingOptions, token: int, max_model_len: int, reason: FinishReason | None
+) -> None:
+    kv = make_kv(8)
+    scheduler = Scheduler(
+        kv, max_batched_tokens=64, max_num_seqs=8, eos_token_ids=(2,), max_model_len=max_model_len
+    )
+    seq = Sequence("r", EngineRequest(tuple(prompt(5)), options), arrival=0)
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    (output,) = scheduler.postprocess(launch(scheduler, plan.items), Samples([token], [None]))
+    assert (output.key, output.token_ids, output.finish_reason, output.prompt_tokens) == (
+        "r",
+        [token],
+        reason,
+        5,
+    )
+    assert (seq.finish_reason, "r" in scheduler.requests) == (reason, reason is None)
+    assert held_pages(kv) == (0 if reason else 2)
+
+
+# A launched step's tokens -----------------------------------------------------------------------------------
+
+
+def test_a_dead_end_drops_its_placeholder_and_counts_no_token() -> None:
+    kv = make_kv(8)
+    scheduler = make_scheduler(kv)
+    seq = Sequence("r", EngineRequest(tuple(prompt(5)), SamplingOptions(max_tokens=5, min_tokens=1)), 0)
+    scheduler.add(seq)
+    step = launch(scheduler, scheduler.schedule().items)
+    (output,) = scheduler.postprocess(step, Samples([999], [None], dead_ends=frozenset({0})))
+    assert output.error is not None and "after 0 tokens: min_tokens (1)" in output.error.message
+    assert (seq.tokens, seq.in_flight, output.token_ids) == (prompt(5), 0, [])
+    assert_settled(kv)
+
+
+def test_a_sequence_the_pool_cannot_hold_alone_gets_its_token_in_flight_first() -> None:
+    kv = make_kv(1)  # one page of 4 tokens
+    scheduler = make_scheduler(kv)
+    seq = make_seq("r", prompt(3), max_tokens=5)
+    scheduler.add(seq)
+    first = launch(scheduler, scheduler.schedule().items)  # 3 tokens computed; the 4th on its way
+    second = launch(scheduler, scheduler.schedule().items)  # the 4th token's KV fills the page
+    assert seq.in_flight == 2
+    plan = scheduler.schedule()  # a 5th token needs a second page, which the pool does not have
+    assert (plan.items, plan.ended) == ([], [])  # not dropped while its token is in flight
+    assert scheduler.postprocess(first, Samples([1003], [None]))[0].token_ids == [1003]
+    assert scheduler.postprocess(second, Samples([1004], [None]))[0].token_ids == [1004]
+    plan = scheduler.schedule()
+    assert [output.key for output in plan.ended] == [seq.key] and seq.finish_reason is FinishReason.LENGTH
+    assert seq.tokens == [*prompt(3), 1003, 1004]
+    assert_settled(kv)
+
+
+# A random workload ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -21,11 +21,19 @@ from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, Statu
 from pagedserve.plumbing.messages import to_message
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
+from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
-from services.common.wire import error_fields, error_of, sampling_from_pb, sampling_to_pb
-from services.worker.core.outputs import RequestOutput
+from services.common.structured import Constraint
+from services.common.wire import (
+    error_fields,
+    error_of,
+    request_from_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    submit_pb,
+)
 from services.worker.core.sampler import sample
-from services.worker.core.sequence import FinishReason, Sequence
+from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.service import logprobs_pb, output_pb
 
 SHAPE = PoolShape(num_layers=2, num_kv_heads=3, head_dim=64, dtype="bfloat16", page_size=8)
@@ -76,10 +84,24 @@ def test_an_unknown_status_passes_through_as_itself() -> None:
     assert error_fields(relayed) == fields
 
 
+def test_an_engine_request_travels_as_a_submit_whole() -> None:
+    options = SamplingOptions(
+        max_tokens=9, seed=-3, structured=Constraint("regex", "[ab]+"), logit_bias=((4, 1.5),)
+    )
+    request = EngineRequest((5, 6, 7), options, priority=3, cache_salt="s", follows="2", generated=(8,))
+    submit = submit_pb("4", request)
+    assert (submit.request_id, list(submit.prompt_token_ids), list(submit.generated_token_ids)) == (
+        "4",
+        [5, 6, 7],
+        [8],
+    )
+    assert request_from_pb(worker_pb2.Submit.FromString(submit.SerializeToString())) == request
+
+
 def test_logprobs_to_pb() -> None:
     torch.manual_seed(62)
     logits = torch.randn(1, 16)
-    seq = Sequence("r0", [1, 2, 3], 3, SamplingOptions(temperature=0.0, logprobs=2), 0, 0)
+    seq = Sequence("r0", EngineRequest((1, 2, 3), SamplingOptions(temperature=0.0, logprobs=2)), 0)
     result = sample(logits, [seq]).logprobs[0]
     assert result is not None
     pb = logprobs_pb(result)

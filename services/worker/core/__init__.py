@@ -1,9 +1,10 @@
 """The engine core: continuous batching in plain Python and torch, with no gRPC or protobuf.
 
-A request path through it: `loop.EngineLoop.submit` checks a request (`engine.EngineCore.new_sequence`)
-and queues it for the engine thread, which runs `EngineCore.step` in a loop: the `scheduler` picks what runs
-(token budget, chunked prefill, prefix-cache admission, preemption), the `model_runner` builds the batch
-(`batch`), runs the model (by `cuda_graphs` replay where one fits) and samples (`sampler`), and
-`Scheduler.postprocess` applies stop rules and frees finished sequences' pages. What each step produced goes
-out as `outputs.RequestOutput`s to one callback; the servicer converts them.
+A request's path through it: `loop.Engine.submit` checks an `EngineRequest` (`engine.EngineCore.new_sequence`
+builds its `sequence.Sequence`) and queues it for the engine thread, which runs `EngineCore.step` in a loop:
+the `scheduler` picks what runs (token budget, chunked prefill, prefix-cache admission, preemption), the
+`model_runner` builds the batch (`batch`), runs the model (by `cuda_graphs` replay where one fits) and samples
+(`sampler`), and `Scheduler.postprocess` applies stop rules and frees finished sequences' pages. What each
+step produced goes out as `sequence.RequestOutput`s to one callback; the servicer converts them. Outside this
+package, only `loop` is used (an import-linter contract holds it), but by tests and benchmarks.
 """

@@ -1,11 +1,13 @@
 """The engine core: one step at a time, on the caller's thread: schedule, run the model, postprocess.
 
-With async scheduling a step launches the model on its plan and then postprocesses the step before, which
-the device ran while this one was scheduled and built: each step's outputs come from the next call to `step`,
-at about the time the device finishes it.
+It runs in one of two modes, chosen once at start (`EngineConfig.async_scheduling`):
+- one by one (`_step_one_by_one`): schedule, launch, wait for the tokens, postprocess;
+- overlapped with the device (`_step_overlapped`): schedule and launch the next step while the device runs
+  this one, whose tokens are postprocessed once the next is launched; each step's outputs come from the next
+  call to `step`, at about the time the device finishes it.
 It checks and admits requests, aborts them, and fails them all when the step cannot go on. It knows no
 thread (`loop` runs it in one), no gRPC and no protobuf (the servicer converts its outputs). Tests and
-benchmarks drive it directly with `add(new_sequence(...))`, `step` and `run_until_done`.
+benchmarks drive it directly with `add(new_sequence(key, request))`, `step` and `run_until_done`.
 """
 
 from __future__ import annotations
@@ -13,33 +15,21 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Hashable
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
-from memory_daemon.prefix import salted_root
-from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted, StatusError, Unimplemented
+from pagedserve.plumbing.errors import ResourceExhausted, StatusError, Unimplemented
 from pagedserve.plumbing.settings import check_settings, positive, setting
-from services.common.limits import check_prompt_fits
-from services.common.sampling import SamplingOptions
+from services.common.request import EngineRequest, ModelLimits, check_request
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.grammar import Grammars
 from services.worker.core.model_runner import ModelRunner, StepInFlight
-from services.worker.core.outputs import RequestOutput
-from services.worker.core.plan import Launch
-from services.worker.core.scheduler import Scheduler
-from services.worker.core.sequence import FinishReason, Sequence
+from services.worker.core.scheduler import Plan, Scheduler
+from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.kv.base import KVCache
 from services.worker.models import CausalLM
 
 log = logging.getLogger(__name__)
-
-
-class Launched(NamedTuple):
-    """A step on its way through the device: the scheduler's record of it, and the model runner's."""
-
-    launch: Launch
-    step: StepInFlight
 
 
 @dataclass(frozen=True)
@@ -83,10 +73,11 @@ class EngineCore:
             max_model_len=spec.max_model_len,
         )
         self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
-        self.scheduler.wait_for_device = self.runner.wait_for_device
+        self.limits = ModelLimits(spec.vocab_size, spec.max_model_len)
         auto = config.async_scheduling == "auto"
         self.async_scheduling = model.device.type == "cuda" if auto else config.async_scheduling == "on"
-        self._in_flight: Launched | None = None  # the step launched last, not yet postprocessed
+        self.step = self._step_overlapped if self.async_scheduling else self._step_one_by_one
+        self._in_flight: StepInFlight | None = None  # the step launched last, not yet postprocessed
         self._arrivals = itertools.count()
         # Counters for metrics, written only by the thread that steps; see also the scheduler's.
         self.generation_tokens = 0  # tokens sampled, cancelled requests' included
@@ -101,50 +92,29 @@ class EngineCore:
     def kv(self) -> KVCache:
         return self.scheduler.kv
 
-    def new_sequence(
-        self,
-        key: Hashable,
-        prompt_ids: Seq[int],
-        options: SamplingOptions,
-        priority: int = 0,
-        cache_salt: str = "",
-        follows: Hashable | None = None,
-        generated: Seq[int] = (),
-    ) -> Sequence:
-        """A checked request, ready for `add`; safe to call from any thread. follows: the key of an earlier
-        sample of the same prompt, whose prefill this one waits for, to find its pages in the prefix cache.
-        generated: the tokens it already generated elsewhere (it resumes after its worker failed), which
-        count as output.
+    def new_sequence(self, key: Hashable, request: EngineRequest) -> Sequence:
+        """A checked request, ready for `add`; safe to call from any thread. A request that follows an
+        earlier sample has a key (namespace, request id), and follows that namespace's request.follows. A
+        structured output's grammar compiles off the engine's thread: the sequence waits (COMPILING) until it
+        is ready, and is refused then if it does not compile.
 
-        Raises InvalidArgument for a prompt this model cannot run or a constraint that does not compile,
-        ResourceExhausted for a prompt over the context or one that the KV pool can never hold.
+        Raises InvalidArgument for a prompt this model cannot run, ResourceExhausted for a prompt over the
+        context or one that the KV pool can never hold.
         """
-        spec = self.model.spec
-        if not prompt_ids:
-            raise InvalidArgument("the prompt is empty")
-        tokens = [*prompt_ids, *generated]
-        check_prompt_fits(len(tokens), spec.max_model_len)
-        if len(generated) >= options.max_tokens:
-            raise InvalidArgument(f"{len(generated)} tokens generated already: max_tokens is reached")
-        _check_vocabulary("the prompt", tokens, spec.vocab_size)
-        _check_vocabulary("sampling.logit_bias", [t for t, _ in options.logit_bias], spec.vocab_size)
-        _check_vocabulary("sampling.stop_token_ids", options.stop_token_ids, spec.vocab_size)
-        pages = -(-(len(tokens) + 1) // self.kv.page_size)
+        check_request(request, self.limits)
+        pages = -(-(len(request.prompt_ids) + len(request.generated) + 1) // self.kv.page_size)
         if pages >= self.kv.num_pages:
             raise ResourceExhausted(
                 f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}: "
                 "shorten it, or give the workers more --kv-memory"
             )
-        seq = Sequence(key, tokens, len(prompt_ids), options, priority, next(self._arrivals))
-        seq.cache_root = salted_root(cache_salt)
-        seq.follows = follows
-        if options.structured is not None:
+        grammar = None
+        if request.options.structured is not None:
             if self.grammars is None:
                 raise Unimplemented("this engine was started without structured outputs (no tokenizer)")
-            seq.grammar = self.grammars.state(options.structured)
-            if not all(seq.grammar.accept(token) for token in generated):
-                raise InvalidArgument("the generated tokens do not follow sampling.structured")
-        return seq
+            grammar = self.grammars.state_later(request.options.structured)
+        follows = (key[0], request.follows) if request.follows and isinstance(key, tuple) else None
+        return Sequence(key, request, next(self._arrivals), follows, grammar)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -171,25 +141,33 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests) or self._in_flight is not None
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, launch the model on the plan, and postprocess the step before, which the device ran
-        meanwhile (or this one, with no async scheduling); returns what every request got."""
+    def has_work(self) -> bool:
+        """Whether a step would do anything now (a request whose grammar is compiling waits without it)."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def _step_one_by_one(self) -> list[RequestOutput]:
+        """Schedule, launch, wait for the tokens, postprocess; returns what every request got."""
+        plan = self._schedule()
+        if not plan.items:
+            return plan.ended
+        step = self._launch(plan, previous=None)
+        return plan.ended + self._complete(step)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Schedule and launch this step while the device runs the one before, then postprocess that one;
+        returns what every request got. A step whose tokens the next one's schedule reads (`needs_host`) is
+        postprocessed first."""
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
-        if previous is not None and (not self.async_scheduling or previous.step.needs_host):
+        if previous is not None and previous.needs_host:
             outputs += self._complete(previous)
             previous = None
-        plan = self.scheduler.schedule()
-        outputs += [RequestOutput.of(seq) for seq in plan.finished]
+        plan = self._schedule()
+        outputs += plan.ended
         if plan.items:
-            step = self.runner.launch(plan.items, previous.step if previous is not None else None)
-            self._in_flight = Launched(self.scheduler.commit(plan.items, step.sampled), step)
-            self.last_batch = (step.num_tokens, len(step.sampled))
+            self._in_flight = self._launch(plan, previous)
         if previous is not None:
             outputs += self._complete(previous)
-        if not self.async_scheduling and self._in_flight is not None:
-            outputs += self._complete(self._in_flight)
-            self._in_flight = None
         return outputs
 
     def run_until_done(self) -> list[RequestOutput]:
@@ -211,28 +189,41 @@ class EngineCore:
         allocated = sum(len(seq.pages) for seq in running) * self.kv.page_size
         return allocated, sum(seq.num_computed for seq in running)
 
+    def _schedule(self) -> Plan:
+        plan = self.scheduler.schedule()
+        if plan.awaits_device:  # pages a step in flight may still write: wait for it, rather than preempt
+            self._settle()
+            again = self.scheduler.schedule()
+            plan = Plan(again.items, plan.ended + again.ended)
+        return plan
+
+    def _launch(self, plan: Plan, previous: StepInFlight | None) -> StepInFlight:
+        step = self.runner.launch(plan.items, self.scheduler.launched + 1, previous)
+        self.scheduler.commit(step)
+        self.last_batch = (step.num_tokens, len(step.sampled))
+        return step
+
+    def _settle(self) -> None:
+        """Wait for every launched step, and take back the pages held for them."""
+        self.runner.wait_for_device()
+        self.scheduler.device_finished(self.scheduler.launched)
+
     def _let_go(self) -> None:
         """Drop the step in flight, whose requests are gone, and take back the pages held for launched steps
         once the device is done with them, or failed."""
         self._in_flight = None
         try:
-            self.scheduler.settle()
+            self._settle()
         except RuntimeError:  # a CUDA error sticks: every later wait raises it again
             log.exception("the device failed; its steps' pages go back unwritten")
             self.scheduler.device_finished(self.scheduler.launched)
 
-    def _complete(self, launched: Launched) -> list[RequestOutput]:
+    def _complete(self, step: StepInFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, and do its bookkeeping."""
-        samples = launched.step.wait()
+        samples = step.wait()
         self.generation_tokens += len(samples.token_ids)
-        return self.scheduler.postprocess(launched.launch, samples, launched.step.scored)
+        return self.scheduler.postprocess(step, samples)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)
         return RequestOutput.of(seq, error=error)
-
-
-def _check_vocabulary(what: str, token_ids: Seq[int], vocab_size: int) -> None:
-    if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-        raise InvalidArgument(f"{what} has token id {bad}, outside the vocabulary (0..{vocab_size - 1})")

@@ -14,6 +14,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -59,10 +60,23 @@ class Grammars:
         self._lock = threading.Lock()
         self._bytes = 0  # the kept grammars' size
         self.compilations = 0  # how many constraints were compiled, cache misses alone
+        # One thread: a schema that takes seconds to compile holds up neither the engine's steps nor the
+        # requests without one.
+        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def state(self, constraint: Constraint) -> GrammarState:
         """A new sequence's matcher; InvalidArgument with the compiler's message if it cannot compile."""
         return GrammarState(self.compiled(constraint))
+
+    def state_later(self, constraint: Constraint) -> Future[GrammarState]:
+        """A new sequence's matcher, compiled on the compiler's thread (at once when it is cached)."""
+        with self._lock:
+            cached = constraint in self._compiled
+        if not cached:
+            return self._compiling.submit(self.state, constraint)
+        ready: Future[GrammarState] = Future()
+        ready.set_result(self.state(constraint))
+        return ready
 
     def compiled(self, constraint: Constraint) -> xgr.CompiledGrammar:
         with self._lock:

@@ -1,10 +1,13 @@
-"""The engine thread: the engine core stepped in a loop of its own, fed through an inbox.
+"""The engine's facade at the thread boundary: the engine core stepped on a thread of its own, fed through an
+inbox, and the one interface the servicer, metrics and server use.
 
-Submissions, aborts and commands (suspend, resume) arrive from other threads through the inbox; the loop
-drains it at the top of every step, so an abort frees the request's pages before the next step runs. Each
-step's outputs, for every request at once, go to one callback. If a step fails because the KV pool went
-away, every request fails UNAVAILABLE and new ones are refused until `resume`; if it fails for any other
-reason, that is a bug: it is logged with its traceback and every live request fails INTERNAL.
+`submit` checks a request and queues it, `abort` ends requests, `load` and `stats` say what the engine holds
+(a frozen snapshot the engine thread replaces after every step, so no other thread reads the core), and
+`suspend`/`resume` take the engine off a lost KV pool and onto a new one. The loop drains the inbox at the
+top of every step, so an abort frees the request's pages before the next step runs. Each step's outputs, for
+every request at once, go to one callback. If a step fails because the KV pool went away, every request fails
+UNAVAILABLE and new ones are refused until `resume`; if it fails for any other reason, that is a bug: it is
+logged with its traceback and every live request fails INTERNAL.
 """
 
 from __future__ import annotations
@@ -15,27 +18,49 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from pagedserve.plumbing.errors import Internal, Unavailable
+from services.common.request import EngineRequest
 from services.worker.core.engine import EngineCore
-from services.worker.core.outputs import RequestOutput
-from services.worker.core.sequence import Sequence
+from services.worker.core.sequence import FinishReason, RequestOutput, Sequence, TokenLogprob
 from services.worker.kv.base import KVCache, PoolLost
+from services.worker.models.spec import ModelSpec
+
+__all__ = ["Engine", "EngineStats", "FinishReason", "RequestOutput", "TokenLogprob"]
 
 log = logging.getLogger(__name__)
 
 Command = Callable[[], list[RequestOutput]]
 
 
-class EngineLoop:
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds and has done, as of its last step. Token counts: a request's prompt tokens, and
+    those found in the prefix cache, count when it is first admitted (a recompute after preemption does not
+    count again); every sampled token counts, cancelled requests' included."""
+
+    running: int = 0
+    waiting: int = 0  # queued in the engine, or waiting for their grammars
+    kv_slots_allocated: int = 0  # token slots in the pages of running sequences
+    kv_slots_used: int = 0  # of those, slots holding KV: fragmentation is 1 - used / allocated
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0  # steps that ran the model
+    batch_tokens: int = 0  # tokens in the last step's forward pass
+
+
+class Engine:
     def __init__(
         self, core: EngineCore, on_outputs: Callable[[list[RequestOutput]], None] | None = None
     ) -> None:
-        self.core = core
+        self._core = core
         self.on_outputs = on_outputs
         self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each model step
         self.suspended: str | None = None  # why new requests are refused: the KV pool is out of reach
-        self.kv_slots: tuple[int, int] = (0, 0)  # core.kv_slots() after the last step, for other threads
+        self._stats = EngineStats()
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[Hashable] = []
@@ -47,11 +72,23 @@ class EngineLoop:
 
     # Called from any thread ------------------------------------------------------------------------
 
-    def submit(self, seq: Sequence) -> None:
-        """Queue a request checked by the core's `new_sequence`; raises Unavailable while the pool is out of
-        reach."""
+    @property
+    def spec(self) -> ModelSpec:
+        return self._core.model.spec
+
+    @property
+    def kv(self) -> KVCache:
+        """The pool the engine runs on (its usage takes its own lock)."""
+        return self._core.kv
+
+    def submit(self, key: Hashable, request: EngineRequest) -> None:
+        """Check a request and queue it under key; its outputs carry key. Raises StatusError for a request the
+        engine refuses, and Unavailable while the pool is out of reach."""
         if self.suspended is not None:
             raise Unavailable(self.suspended)
+        seq = self._core.new_sequence(key, request)
+        if seq.compiling is not None:
+            seq.compiling.add_done_callback(lambda _: self._poke())
         with self._wake:
             self._inbox.append(seq)
             self._wake.notify()
@@ -61,12 +98,22 @@ class EngineLoop:
             self._aborts.extend(keys)
             self._wake.notify()
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests, those submitted since the last step among the waiting."""
+        with self._wake:
+            queued = len(self._inbox)
+        stats = self._stats
+        return stats.running, stats.waiting + queued
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
     def suspend(self, reason: str) -> Future[None]:
         """Fail every live request with UNAVAILABLE and refuse new ones, until resume: the pool is gone."""
 
         def command() -> list[RequestOutput]:
             self.suspended = reason
-            return self.core.fail_all(Unavailable(reason))
+            return self._core.fail_all(Unavailable(reason))
 
         return self._command(command)
 
@@ -74,18 +121,11 @@ class EngineLoop:
         """Run on a new KV cache (the daemon came back): call after suspend."""
 
         def command() -> list[RequestOutput]:
-            self.core.rebind(kv)
+            self._core.rebind(kv)
             self.suspended = None
             return []
 
         return self._command(command)
-
-    def load(self) -> tuple[int, int]:
-        """(running, waiting) requests."""
-        with self._wake:
-            queued = len(self._inbox)
-        scheduler = self.core.scheduler
-        return len(scheduler.running), scheduler.num_waiting + queued
 
     def stalled(self, floor_s: float) -> str | None:
         """Why the engine counts as stuck, or None: a step has run for longer than floor_s and than three
@@ -117,15 +157,16 @@ class EngineLoop:
         outputs: list[RequestOutput] = []
         try:
             outputs += self._drain_inbox()
-            outputs += self.core.step()
+            outputs += self._core.step()
         except PoolLost as exc:  # the memory daemon went away mid-step: the worker re-attaches
             log.error("lost the KV pool: %s", exc)
             self.suspended = f"the KV memory daemon is out of reach ({exc}); retry"
-            outputs += self.core.fail_all(Unavailable(self.suspended))
+            outputs += self._core.fail_all(Unavailable(self.suspended))
         except Exception:
             log.exception("engine step failed; failing every live request")
             failure = Internal("the engine failed on this request's step; see the worker log")
-            outputs += self.core.fail_all(failure)
+            outputs += self._core.fail_all(failure)
+        self._stats = self._snapshot()
         return outputs
 
     def _run(self) -> None:
@@ -134,20 +175,40 @@ class EngineLoop:
                 self._wake.wait_for(lambda: self._stopping or self._has_work())
                 if self._stopping:
                     break
-            steps, started = self.core.steps, time.perf_counter()
+            steps, started = self._core.steps, time.perf_counter()
             self._step_began = time.monotonic()
             outputs = self.step()
             self._step_began = None
             seconds = time.perf_counter() - started
             self._step_seconds.append(seconds)
-            self.kv_slots = self.core.kv_slots()
-            if self.on_step is not None and self.core.steps != steps:
-                self.on_step(seconds, self.core.last_batch[0])
+            if self.on_step is not None and self._core.steps != steps:
+                self.on_step(seconds, self._core.last_batch[0])
             self._emit(outputs)
-        self._emit(self.core.abort_all())
+        self._emit(self._core.abort_all())
+
+    def _snapshot(self) -> EngineStats:
+        core, scheduler = self._core, self._core.scheduler
+        allocated, used = core.kv_slots()
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=scheduler.num_waiting,
+            kv_slots_allocated=allocated,
+            kv_slots_used=used,
+            preemptions=scheduler.preemptions,
+            prompt_tokens=scheduler.prompt_tokens,
+            cached_prompt_tokens=scheduler.cached_prompt_tokens,
+            generation_tokens=core.generation_tokens,
+            steps=core.steps,
+            batch_tokens=core.last_batch[0],
+        )
 
     def _has_work(self) -> bool:
-        return bool(self.core.has_unfinished() or self._inbox or self._aborts or self._commands)
+        return bool(self._core.has_work() or self._inbox or self._aborts or self._commands)
+
+    def _poke(self) -> None:
+        """Wake the loop: a grammar is ready."""
+        with self._wake:
+            self._wake.notify()
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         if outputs and self.on_outputs is not None:
@@ -170,9 +231,9 @@ class EngineLoop:
             outputs += command()
             done.set_result(None)
         for seq in arrived:
-            self.core.add(seq)
+            self._core.add(seq)
         for key in aborted:
-            output = self.core.abort(key)
+            output = self._core.abort(key)
             if output is not None:
                 outputs.append(output)
         return outputs

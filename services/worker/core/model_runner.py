@@ -4,7 +4,8 @@ It builds the flat batch (`batch`), runs the forward pass, by CUDA graph replay 
 and eagerly otherwise, and samples (`sampler`), all without waiting for the device: `launch` returns the step
 in flight, and its `wait` the tokens. A step launched while the one before is still in flight takes that
 one's sampled tokens as inputs on the device. It owns nothing about requests' lifecycles: the scheduler's
-postprocess does the bookkeeping with what `wait` returns.
+postprocess does the bookkeeping with what `wait` returns. `wait_for_device` is the engine's alone: the
+scheduler never waits for the device.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.core.batch import ForwardBatch, build_batch
+from services.worker.core.batch import ForwardBatch, build_batch, to_device
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.grammar import fill_masks
-from services.worker.core.plan import ScheduledSeq
 from services.worker.core.sampler import Draw, Samples, draw, score
+from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import PENDING, Sequence, TokenLogprob
-from services.worker.core.transfer import to_device
 from services.worker.kv.base import KVCache
 from services.worker.models import CausalLM
 
@@ -29,8 +29,12 @@ SCORE_ROWS = 256
 
 @dataclass(frozen=True)
 class StepInFlight:
-    """A launched step: its draw, which may still be on the device."""
+    """A step launched on the device and not yet postprocessed: what ran, and its draw, which may still be
+    on the device."""
 
+    number: int  # steps launched before it, and it
+    items: list[ScheduledSeq]  # in batch order
+    epochs: list[int]  # each item's sequence's epoch at launch: a later reset makes its KV stale
     sampled: list[Sequence]  # the sequences that get a token, in the order of the draw's rows
     draw: Draw
     num_tokens: int  # tokens the forward pass ran
@@ -73,8 +77,11 @@ class ModelRunner:
         # Grammar masks filled on a thread of their own while the model runs (xgrammar frees the GIL).
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar") if overlap_masks else None
 
-    def launch(self, items: list[ScheduledSeq], previous: StepInFlight | None = None) -> StepInFlight:
-        """Run a step on the device; previous: the step before, if its tokens are not on the host yet."""
+    def launch(
+        self, items: list[ScheduledSeq], number: int, previous: StepInFlight | None = None
+    ) -> StepInFlight:
+        """Run step `number` on the device; previous: the step before, if its tokens are not on the host
+        yet."""
         batch = build_batch(items, self.kv.page_size, self.model.device)
         if previous is not None:
             _take_pending_tokens(batch, previous)
@@ -90,6 +97,9 @@ class ModelRunner:
             )
         masks = filling.result() if filling is not None else None
         return StepInFlight(
+            number,
+            batch.items,
+            [item.seq.epoch for item in batch.items],
             sampled,
             draw(logits[: len(sampled)], sampled, self._eos, masks),
             batch.num_tokens,

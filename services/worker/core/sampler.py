@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from services.common.sampling import SamplingOptions
+from services.worker.core.batch import to_device, to_host
 from services.worker.core.grammar import mask_logits
 from services.worker.core.sequence import Sequence, TokenLogprob
-from services.worker.core.transfer import to_device, to_host
 
 
 @dataclass(frozen=True)

@@ -8,24 +8,65 @@ worst-ranked running sequence that has not been scheduled yet is preempted: its 
 ones stay cached) and it waits to be recomputed.
 
 Once a plan is launched, `commit` counts its KV as computed and gives each sampling sequence a placeholder
-token, so the next step can be planned while the device runs this one. `postprocess`, once its tokens are
-back, publishes the new full pages to the prefix cache, fills the placeholders, and finishes a sequence that
-meets a stop rule (`stops`): its pages go back at once, or when the steps in flight that may write them end.
+token, so the next step can be planned while the device runs this one. The scheduler never waits for the
+device: when only pages that a step in flight may still write would let a sequence go on, its plan says so
+(`Plan.awaits_device`), and the engine settles before it schedules again. `postprocess`, once its tokens
+are back, publishes the new full pages to the prefix cache, fills the placeholders, and finishes a sequence
+that meets a stop rule (`_stop_reason`): its pages go back at once, or when the steps in flight that
+may write them end.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable
-from collections.abc import Sequence as Seq
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from memory_daemon.prefix import ROOT_KEY
-from services.worker.core.outputs import RequestOutput
-from services.worker.core.plan import Launch, Plan, ScheduledSeq
-from services.worker.core.sampler import Samples
-from services.worker.core.sequence import PENDING, FinishReason, Sequence, Status, TokenLogprob
-from services.worker.core.stops import StopRules, dead_end
+from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, StatusError
+from services.worker.core.sequence import (
+    PENDING,
+    FinishReason,
+    RequestOutput,
+    Sequence,
+    Status,
+)
 from services.worker.kv.base import KVCache
+
+if TYPE_CHECKING:
+    from services.worker.core.model_runner import StepInFlight
+    from services.worker.core.sampler import Samples
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A sequence's share of a step."""
+
+    seq: Sequence
+    start: int  # the first new token's position
+    count: int  # new tokens this step
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.count)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so the step samples its next token."""
+        return self.start + self.count == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class Plan:
+    items: list[ScheduledSeq]
+    ended: list[RequestOutput] = field(default_factory=list)  # requests ended while scheduling
+    # The pool is empty, but pages freed while a step in flight may still write them would let the step go
+    # on: the engine waits for the device to finish (`settle`), then schedules again.
+    awaits_device: bool = False
+
+
+class _PagesHeld(Exception):
+    """The pool has no page, but steps in flight hold some: wait for them rather than preempt."""
 
 
 class Scheduler:
@@ -43,14 +84,15 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
-        self.stops = StopRules(frozenset(eos_token_ids), max_model_len)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished sequence, by key
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
+        self._compiling: list[Sequence] = []  # waiting for their grammars, in arrival order
         self.preemptions = 0
         self.launched = 0  # steps committed
         self.device_done = 0  # steps the device has finished
-        self.wait_for_device: Callable[[], None] = lambda: None  # until every committed step is finished
         self._held: list[tuple[int, list[int]]] = []  # pages freed while steps up to that one may write them
         # A request's prompt is counted when it is first admitted, with what the prefix cache held for it
         # then; a recompute after preemption is not counted again.
@@ -59,12 +101,22 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Sequences not running yet: queued, or waiting for their grammars."""
+        return len(self._waiting) + len(self._compiling)
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: a sequence to run, or a grammar that is ready."""
+        return bool(
+            self.running or self._waiting or any(seq.compiling.done() for seq in self._compiling)  # type: ignore[union-attr]
+        )
 
     def add(self, seq: Sequence) -> None:
         assert seq.key not in self.requests, f"request {seq.key!r} is already running"
         self.requests[seq.key] = seq
-        self._enqueue(seq)
+        if seq.status is Status.COMPILING:
+            self._compiling.append(seq)
+        else:
+            self._enqueue(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence, running or waiting: its pages go back at once."""
@@ -73,6 +125,8 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self._waiting = [entry for entry in self._waiting if entry[1] is not seq]
             heapq.heapify(self._waiting)
+        elif seq.status is Status.COMPILING:
+            self._compiling.remove(seq)
         self._release(seq)
         if seq.in_flight:  # the tokens launched after its last one
             del seq.tokens[-seq.in_flight :]
@@ -81,34 +135,27 @@ class Scheduler:
         seq.finish_reason = reason
         del self.requests[seq.key]
 
-    def commit(self, items: list[ScheduledSeq], sampled: list[Sequence]) -> Launch:
-        """The items are launched: their KV counts as computed, and each of sampled has a placeholder for
-        the token it will get."""
-        epochs = [item.seq.epoch for item in items]
-        for item in items:
+    def commit(self, step: StepInFlight) -> None:
+        """The step is launched: its KV counts as computed, and each sequence it samples for has a
+        placeholder for the token it will get."""
+        for item in step.items:
             item.seq.num_computed += item.count
-        for seq in sampled:
+        for seq in step.sampled:
             seq.tokens.append(PENDING)
             seq.in_flight += 1
-        self.launched += 1
-        return Launch(self.launched, items, epochs, sampled)
+        self.launched = step.number
 
-    def postprocess(
-        self,
-        launched: Launch,
-        samples: Samples,
-        scored: Seq[tuple[Sequence, TokenLogprob]] = (),
-    ) -> list[RequestOutput]:
+    def postprocess(self, step: StepInFlight, samples: Samples) -> list[RequestOutput]:
         """The bookkeeping after a committed step is done: it sampled one token for each of its sampled
-        sequences, in order; scored: the prompt log-probabilities it computed."""
-        for item, epoch in zip(launched.items, launched.epochs, strict=True):
+        sequences, in order, and scored the prompt positions it was asked to."""
+        for item, epoch in zip(step.items, step.epochs, strict=True):
             if item.seq.epoch == epoch and item.seq.status is Status.RUNNING:
                 self.publish_full_pages(item.seq, item.start + item.count)
-        for seq, logprob in scored:
+        for seq, logprob in step.scored:
             seq.prompt_logprobs.append(logprob)
         outputs = []
         for row, (seq, token, token_logprob) in enumerate(
-            zip(launched.sampled, samples.token_ids, samples.logprobs, strict=True)
+            zip(step.sampled, samples.token_ids, samples.logprobs, strict=True)
         ):
             if seq.status is Status.FINISHED:  # aborted, or stopped by a token of the step before
                 continue
@@ -118,13 +165,13 @@ class Scheduler:
                 continue
             seq.tokens[seq.num_known] = token
             seq.in_flight -= 1
-            reason = self.stops.reason(seq, token)
+            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
             outputs.append(
                 RequestOutput.of(seq, [token], [token_logprob] if token_logprob is not None else [])
             )
-        self.device_finished(launched.number)
+        self.device_finished(step.number)
         return outputs
 
     def device_finished(self, number: int) -> None:
@@ -135,19 +182,42 @@ class Scheduler:
         for pages in ready:
             self.kv.free(pages)
 
-    def settle(self) -> None:
-        """Wait for every committed step, and take back the pages held for them."""
-        self.wait_for_device()
-        self.device_finished(self.launched)
-
     def schedule(self) -> Plan:
+        """What runs in the next step; with `awaits_device`, nothing yet: settle, then schedule again."""
+        ended = self._take_compiled()
         budget = self.max_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        dropped: list[Sequence] = []
+        try:
+            budget = self._schedule_running(scheduled, ended, budget)
+        except _PagesHeld:
+            return Plan([], ended, awaits_device=True)
+        self._admit(scheduled, budget)
+        return Plan(scheduled, ended)
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Queue the sequences whose grammars are compiled; end those whose grammars failed."""
+        ended = []
+        for seq in [seq for seq in self._compiling if seq.compiling.done()]:  # type: ignore[union-attr]
+            try:
+                seq.grammar = seq.compiling.result()  # type: ignore[union-attr]
+                if not all(seq.grammar.accept(token) for token in seq.output_ids):
+                    raise InvalidArgument("the generated tokens do not follow sampling.structured")
+            except StatusError as refusal:
+                self.finish(seq, FinishReason.ABORT)
+                ended.append(RequestOutput.of(seq, error=refusal))
+                continue
+            self._compiling.remove(seq)
+            self._enqueue(seq)
+        return ended
+
+    def _schedule_running(
+        self, scheduled: list[ScheduledSeq], ended: list[RequestOutput], budget: int
+    ) -> int:
+        """Schedule the running sequences, best rank first; returns the budget left."""
         for seq in sorted(self.running, key=lambda s: s.rank):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING or self.stops.ends_in_flight(seq):
+            if seq.status is not Status.RUNNING or self._ends_in_flight(seq):
                 continue  # preempted for a better sequence this step, or its last token is on its way
             count = min(seq.num_tokens - seq.num_computed, budget)
             if self._reserve(seq, count, protected=scheduled):
@@ -157,11 +227,10 @@ class Scheduler:
                 if seq.in_flight:  # its token first: the next step finishes it
                     continue
                 self.finish(seq, FinishReason.LENGTH)  # alone, and still the pool cannot hold it
-                dropped.append(seq)
+                ended.append(RequestOutput.of(seq))
             else:
                 self._preempt(seq)
-        self._admit(scheduled, budget)
-        return Plan(scheduled, dropped)
+        return budget
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         """Admit waiting sequences, best rank first, while the step has room; a sample whose leader is still
@@ -210,13 +279,29 @@ class Scheduler:
             size = self.kv.page_size
             keys = seq.page_keys(full, size)
             parent = keys[seq.num_shared - 1] if seq.num_shared else seq.cache_root
-            # A salted chain's pages are not announced to gateways: only the salt's requests may find them.
-            tokens = seq.tokens[seq.num_shared * size : full * size] if seq.cache_root == ROOT_KEY else []
+            tokens = seq.tokens[seq.num_shared * size : full * size] if seq.announced else []
             self.kv.publish(
                 keys[seq.num_shared :], seq.pages[seq.num_shared : full], parent=parent, tokens=tokens
             )
             seq.num_shared = full
             seq.published_mark = self.kv.published
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why the sequence ends with this token, its last known one; None if it goes on."""
+        options = seq.options
+        if token in options.stop_token_ids or (not options.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.terminated:  # ended by an EOS, even with ignore_eos
+            return FinishReason.STOP
+        return FinishReason.LENGTH if self._full(seq, seq.num_known) else None
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether the token on its way ends the sequence, whatever it is."""
+        return seq.in_flight > 0 and self._full(seq, seq.num_tokens)
+
+    def _full(self, seq: Sequence, tokens: int) -> bool:
+        """Whether a sequence of this many tokens has reached max_tokens or the context's end."""
+        return tokens - seq.prompt_len >= seq.options.max_tokens or tokens >= self.max_model_len
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -244,11 +329,8 @@ class Scheduler:
             if pages is not None:
                 seq.pages += pages
                 return True
-            if (
-                self._held and may_preempt
-            ):  # pages a step in flight may still write: wait, rather than preempt
-                self.settle()
-                continue
+            if self._held and may_preempt:
+                raise _PagesHeld
             victim = self._victim(seq, protected) if may_preempt else None
             if victim is None:
                 return False
@@ -274,3 +356,12 @@ class Scheduler:
             else:
                 self.kv.free(seq.pages)
         seq.reset()
+
+
+def dead_end(seq: Sequence) -> FailedPrecondition:
+    """Why a constrained sequence cannot go on: its grammar allows no token (min_tokens may hold its end)."""
+    out = seq.num_known - seq.prompt_len
+    why = "its structured output allows no token of this model"
+    if out < seq.options.min_tokens:
+        why = f"min_tokens ({seq.options.min_tokens}) holds back the only end its structured output allows"
+    return FailedPrecondition(f"the request stopped after {out} tokens: {why}")

@@ -1,13 +1,17 @@
-"""One request inside the engine: its tokens, its place in the pool, and how far its KV is computed."""
+"""One request inside the engine: its tokens, its place in the pool, how far its KV is computed, and what each
+step hands back for it (`RequestOutput`)."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from memory_daemon.prefix import ROOT_KEY, page_keys
+from memory_daemon.prefix import ROOT_KEY, page_keys, salted_root
+from pagedserve.plumbing.errors import StatusError
+from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 
 if TYPE_CHECKING:
@@ -18,9 +22,16 @@ PENDING = -1  # a token id that is still on the device (Sequence.in_flight)
 
 
 class Status(enum.Enum):
+    COMPILING = "compiling"  # its structured output's grammar is compiling: it waits for no pages yet
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
 
 
 @dataclass(frozen=True)
@@ -30,37 +41,42 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # the n most likely tokens and their log-probabilities
 
 
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-
-@dataclass(eq=False)
 class Sequence:
-    key: Hashable  # the caller's handle for the request
-    tokens: list[int]  # prompt, then output
-    prompt_len: int
-    options: SamplingOptions
-    priority: int  # lower runs first
-    arrival: int  # submission order, the tie-breaker
-    status: Status = Status.WAITING
-    pages: list[int] = field(default_factory=list)  # the block table
-    num_computed: int = 0  # leading tokens whose KV is in the pool
-    num_shared: int = 0  # leading pages that are shared: published, or found in the prefix cache
-    cached_prompt_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
-    preemptions: int = 0
-    finish_reason: FinishReason | None = None
-    cache_root: bytes = ROOT_KEY  # the parent of its page-key chain: its cache salt's namespace
-    grammar: GrammarState | None = None  # its structured output's matcher
-    follows: Hashable | None = None  # an earlier sample of the same prompt, whose prefill it waits for
-    published_mark: int = 0  # the KV cache's publish count after its latest pages (KVCache.delivered)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1, 2, ... so far
-    # Tokens sampled on the device whose ids have not reached the host: placeholders (PENDING) that end
-    # `tokens`, so that the next step can be scheduled before they are known.
-    in_flight: int = 0
-    epoch: int = 0  # counts resets: work launched in an earlier epoch wrote pages the sequence no longer has
-    _keys: list[bytes] = field(default_factory=list)  # the hash chain of leading full pages
+    def __init__(
+        self,
+        key: Hashable,
+        request: EngineRequest,
+        arrival: int,
+        follows: Hashable | None = None,
+        grammar: Future[GrammarState] | None = None,
+    ) -> None:
+        """key: the caller's handle for the request; arrival: submission order, the tie-breaker; follows: the
+        key of an earlier sample of the same prompt, whose prefill it waits for; grammar: its structured
+        output's matcher, compiling, which it waits for (COMPILING) before it is scheduled."""
+        self.key = key
+        self.tokens = [*request.prompt_ids, *request.generated]  # prompt, then output
+        self.prompt_len = len(request.prompt_ids)
+        self.options: SamplingOptions = request.options
+        self.priority = request.priority  # lower runs first
+        self.arrival = arrival
+        self.cache_root = salted_root(request.cache_salt)  # the parent of its page-key chain
+        self.follows = follows
+        self.compiling = grammar
+        self.grammar: GrammarState | None = None  # its structured output's matcher, once compiled
+        self.status = Status.COMPILING if grammar is not None else Status.WAITING
+        self.pages: list[int] = []  # the block table
+        self.num_computed = 0  # leading tokens whose KV is in the pool
+        self.num_shared = 0  # leading pages that are shared: published, or found in the prefix cache
+        self.cached_prompt_tokens = 0  # prompt tokens the first admission found in the prefix cache
+        self.preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.published_mark = 0  # the KV cache's publish count after its latest pages (KVCache.delivered)
+        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1, 2, ... so far
+        # Tokens sampled on the device whose ids have not reached the host: placeholders (PENDING) that end
+        # `tokens`, so that the next step can be scheduled before they are known.
+        self.in_flight = 0
+        self.epoch = 0  # counts resets: work launched in an earlier epoch wrote pages it no longer has
+        self._keys: list[bytes] = []  # the hash chain of leading full pages
 
     @property
     def num_tokens(self) -> int:
@@ -100,3 +116,45 @@ class Sequence:
         self.num_shared = 0
         self.status = Status.WAITING
         self.epoch += 1
+
+    @property
+    def announced(self) -> bool:
+        """Whether its pages are announced to gateways: a salted chain's are not, so that only the salt's
+        requests may find them."""
+        return self.cache_root == ROOT_KEY
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request; the last one carries its finish reason."""
+
+    key: Hashable
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # one per token, when the request asked
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    error: StatusError | None = None  # why the engine refused or failed the request
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token, when asked
+
+    @classmethod
+    def of(
+        cls,
+        seq: Sequence,
+        token_ids: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        error: StatusError | None = None,
+    ) -> RequestOutput:
+        """The sequence's output now: its new tokens, and its finish reason once it has one; the prompt's
+        log-probabilities go with its first token."""
+        first = token_ids is not None and seq.num_known - len(token_ids) == seq.prompt_len
+        return cls(
+            seq.key,
+            token_ids or [],
+            logprobs or [],
+            seq.finish_reason,
+            seq.prompt_len,
+            seq.cached_prompt_tokens,
+            error,
+            seq.prompt_logprobs if first else [],
+        )
