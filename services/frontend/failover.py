@@ -21,8 +21,8 @@ from prometheus_client import Counter
 
 from pagedserve.plumbing.errors import Internal, Unavailable
 from pagedserve.worker.v1 import worker_pb2
+from services.common.request import EngineRequest
 from services.frontend.router import Router, WorkerDown, WorkerLink
-from services.frontend.validation import PreparedRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,15 @@ class Progress:
             self.cached_prompt_tokens = output.cached_prompt_tokens
         self.token_ids.extend(output.token_ids)
 
-    def resumed(self, prepared: PreparedRequest) -> PreparedRequest:
-        """The request as the next worker gets it: prompt log-probabilities went with the first token."""
-        if not self.token_ids or prepared.options.prompt_logprobs is None:
-            return prepared
-        options = dataclasses.replace(prepared.options, prompt_logprobs=None)
-        return dataclasses.replace(prepared, options=options)
+    def resumed(self, request: EngineRequest) -> EngineRequest:
+        """The request as the next worker gets it: the tokens sent so far count as generated, and prompt
+        log-probabilities went with the first token."""
+        if not self.token_ids:
+            return request
+        options = request.options
+        if options.prompt_logprobs is not None:
+            options = dataclasses.replace(options, prompt_logprobs=None)
+        return dataclasses.replace(request, options=options, generated=tuple(self.token_ids))
 
 
 def next_worker(router: Router, lost: WorkerDown, progress: Progress, limit: int) -> WorkerLink:

@@ -24,8 +24,8 @@ from pagedserve.plumbing.auth import secret_metadata
 from pagedserve.plumbing.errors import Unavailable
 from pagedserve.plumbing.rpc import CHANNEL_OPTIONS, check_peer_before_secret
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.wire import SILENT_AFTER_S, sampling_to_pb
-from services.frontend.validation import ModelLimits, PreparedRequest
+from services.common.request import EngineRequest, ModelLimits
+from services.common.wire import SILENT_AFTER_S, submit_pb
 
 log = logging.getLogger(__name__)
 
@@ -105,27 +105,15 @@ class WorkerLink:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(
-        self, prepared: PreparedRequest, follows: str = "", generated: Sequence[int] = ()
-    ) -> tuple[str, asyncio.Queue[Output]]:
-        """Send a request to the worker; returns its id on this stream and the queue of its outputs.
-        follows: the id of an earlier sample of the same prompt on this stream; generated: the tokens it
-        generated already, on a worker that failed."""
+    def submit(self, request: EngineRequest) -> tuple[str, asyncio.Queue[Output]]:
+        """Send a request to the worker; returns its id on this stream (the stream's sequence number, which
+        a later sample of the same prompt names in its `follows`) and the queue of its outputs."""
         if not self.up:
             raise WorkerDown(f"worker {self.address} is down")
         request_id = str(next(self._ids))
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._requests[request_id] = queue
-        submit = worker_pb2.Submit(
-            request_id=request_id,
-            prompt_token_ids=prepared.prompt_ids,
-            sampling=sampling_to_pb(prepared.options),
-            priority=prepared.priority,
-            cache_salt=prepared.cache_salt,
-            follows=follows,
-            generated_token_ids=generated,
-        )
-        self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit]))
+        self._outbox.put_nowait(worker_pb2.WorkerRequest(submit=[submit_pb(request_id, request)]))
         return request_id, queue
 
     def abort(self, request_id: str) -> None:

@@ -31,7 +31,7 @@ from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
 from services.frontend.config import FrontendConfig
-from services.frontend.generation import Shared
+from services.frontend.generation import RequestPipeline
 from services.frontend.h2_guard import GuardedPort
 from services.frontend.identity import ClientIdentity
 from services.frontend.metrics import track_admission
@@ -65,20 +65,20 @@ async def serve(config: FrontendConfig) -> None:
     guard = GuardedPort(
         f"{inner}/grpc.sock", max_block_bytes=2 * MAX_METADATA_BYTES, tls=config.tls_context()
     )
-    shared = _shared(
+    pipeline = _pipeline(
         config, tokenizer, model_id, workers_changed.set, ClientIdentity(config.api_tokens, guard.peer_of)
     )
-    router, admission, tokenizing = shared.router, shared.admission, shared.tokenizing
-    service = GenerationService(shared, model_id, config.drain_timeout_s)
+    router, admission, tokenizing = pipeline.router, pipeline.admission, pipeline.tokenizing
+    service = GenerationService(pipeline, model_id, config.drain_timeout_s)
     facts = await asyncio.to_thread(ModelFacts, model_dir, model_id, tokenizer)
     if config.metrics.port:
         track_admission(admission)
         config.metrics.serve()
 
-    public = await _start_public_port(config, service, _vllm_service(config, shared, facts), guard)
+    public = await _start_public_port(config, service, _vllm_service(config, pipeline, facts), guard)
     servers: list[tuple[RunningServer, tuple[str, ...]]] = [(public, _PUBLIC)]
     if config.gateway_address:
-        servers.append((await _start_gateway_listener(config, shared, facts), (VLLM_SERVICE_NAME,)))
+        servers.append((await _start_gateway_listener(config, pipeline, facts), (VLLM_SERVICE_NAME,)))
 
     async def track_health() -> None:
         """Generation (and SMG's protocol) is SERVING while at least one worker is up."""
@@ -109,14 +109,14 @@ async def serve(config: FrontendConfig) -> None:
         shutil.rmtree(inner, ignore_errors=True)
 
 
-def _shared(
+def _pipeline(
     config: FrontendConfig,
     tokenizer: PreTrainedTokenizerFast,
     model_id: str,
     on_change: Callable[[], None],
     clients: ClientIdentity,
-) -> Shared:
-    """What every generation shares; on_change: called when a worker comes or goes."""
+) -> RequestPipeline:
+    """What every request runs through; on_change: called when a worker comes or goes."""
     router = Router(
         config.workers, model_id, on_change, secret=config.secret, timeout_s=config.worker_timeout_s
     )
@@ -127,7 +127,7 @@ def _shared(
     )
     admission = Admission(config.max_running, config.max_waiting, config.client_share)
     tokenizing = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
-    return Shared(router, admission, builder, tokenizing, clients, config.max_failovers)
+    return RequestPipeline(router, admission, builder, tokenizing, clients, config.max_failovers)
 
 
 async def _start_public_port(
@@ -165,21 +165,23 @@ async def _start_public_port(
 
 
 def _vllm_service(
-    config: FrontendConfig, shared: Shared, facts: ModelFacts, *, gateway: bool = False
+    config: FrontendConfig, pipeline: RequestPipeline, facts: ModelFacts, *, gateway: bool = False
 ) -> VllmEngineService:
     """SMG's worker protocol; for the gateway, with the node's cached pages from the daemon, when the
     frontend knows it."""
     node_cache = None
     if gateway and config.daemon:
-        node_cache = NodeCache(config.daemon, facts.model_id, config.secret, shared.router.worker_info)
-    return VllmEngineService(shared, facts, node_cache, config.drain_timeout_s, gateway=gateway)
+        node_cache = NodeCache(config.daemon, facts.model_id, config.secret, pipeline.router.worker_info)
+    return VllmEngineService(pipeline, facts, node_cache, config.drain_timeout_s, gateway=gateway)
 
 
-async def _start_gateway_listener(config: FrontendConfig, shared: Shared, facts: ModelFacts) -> RunningServer:
+async def _start_gateway_listener(
+    config: FrontendConfig, pipeline: RequestPipeline, facts: ModelFacts
+) -> RunningServer:
     """SMG's protocol whole, control surface included, on --gateway-address: no token, no TLS (SMG sends
     neither to its workers), and no caller from this machine but this user's and root's processes."""
     assert config.gateway_address is not None
-    service = _vllm_service(config, shared, facts, gateway=True)
+    service = _vllm_service(config, pipeline, facts, gateway=True)
     port = int(config.gateway_address.rsplit(":", 1)[1])
     guard = LocalUsersOnly(port, f"the gateway listener {config.gateway_address}")
     if not _is_loopback(config.gateway_address):

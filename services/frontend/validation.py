@@ -1,22 +1,30 @@
-"""From a public GenerateRequest to what a worker runs: prompt token ids and checked sampling options.
+"""From a public GenerateRequest to what a worker runs: an `EngineRequest` of prompt token ids and checked
+sampling options.
 
 Every refusal is InvalidArgument, or ResourceExhausted for a prompt over the context, with a message that
-names the field and says what to change. The model's limits come from its workers (`ModelLimits`), which
-run the model: the frontend never loads the model's code.
+names the field and says what to change. The checks a worker makes too are `services.common.request`'s, so
+that both give one message for one condition. The model's limits come from its workers (`ModelLimits`),
+which run the model: the frontend never loads the model's code.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
+from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.v1 import generation_pb2
-from services.common.limits import check_prompt_fits
+from services.common.request import (
+    EngineRequest,
+    ModelLimits,
+    check_prompt_fits,
+    check_request,
+    check_text_fits,
+    check_token_ids,
+)
 from services.common.sampling import SamplingOptions
 from services.common.wire import sampling_from_pb
 from services.frontend.chat import ChatRenderer
@@ -26,16 +34,6 @@ MAX_SAMPLES = 16  # n
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 256
 MAX_CACHE_SALT_BYTES = 256
-# A prompt's text may be at most this many characters a token of the model's context: a bound checked before
-# any tokenizer runs, generous for real text (about 4 characters a token), so that megabytes of text cost
-# microseconds to refuse, not seconds and gigabytes to tokenize.
-CHARS_PER_TOKEN = 16
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    vocab_size: int
-    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,8 @@ class CheckedRequest:
     """A request with every field checked, but its text, which the tokenizer has yet to turn into ids."""
 
     request: generation_pb2.GenerateRequest
-    options: SamplingOptions  # max_tokens not yet cut to the room the prompt leaves
+    request_id: str
+    options: SamplingOptions
     stop: tuple[str, ...]
     cache_salt: str
     n: int = 1  # samples
@@ -51,12 +50,23 @@ class CheckedRequest:
 
 @dataclass(frozen=True)
 class PreparedRequest:
+    """A request as its worker runs it, with what stays in the frontend: its id, and its stop strings."""
+
     request_id: str
-    prompt_ids: list[int]
-    options: SamplingOptions
+    engine: EngineRequest
     stop: tuple[str, ...]
-    priority: int
-    cache_salt: str = ""
+
+
+def request_id_of(given: str) -> str:
+    """A call's request id, minted where the call comes in: the client's own, checked, else a fresh one."""
+    if len(given) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument(f"request_id is {len(given)} characters; at most {MAX_REQUEST_ID_LENGTH}")
+    return given or uuid.uuid4().hex
+
+
+def text_length(text: str, messages: Sequence[generation_pb2.ChatMessage]) -> int:
+    """The characters of a text or chat input, its roles included: what `check_text_fits` bounds."""
+    return len(text) + sum(len(m.content) + len(m.role) for m in messages)
 
 
 class RequestBuilder:
@@ -73,50 +83,35 @@ class RequestBuilder:
         self.default_max_tokens = default_max_tokens
         self.priorities = priorities
 
-    def prepare(self, request: generation_pb2.GenerateRequest, limits: ModelLimits) -> PreparedRequest:
-        return self.tokenize(self.check(request, limits), limits)
-
-    def check(self, request: generation_pb2.GenerateRequest, limits: ModelLimits) -> CheckedRequest:
-        """Every check that needs no tokenizer, so that a bad request is refused before it is admitted."""
-        if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
-            raise InvalidArgument(
-                f"request_id is {len(request.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}"
-            )
+    def check(
+        self, request: generation_pb2.GenerateRequest, request_id: str, limits: ModelLimits
+    ) -> CheckedRequest:
+        """Every check that needs no tokenizer, so that a bad request is refused before it is admitted; its
+        sizes first, so that an oversized prompt is refused in microseconds."""
+        check_text_fits(text_length(request.prompt, request.messages), limits)
+        check_prompt_fits(len(request.prompt_token_ids), limits.max_model_len)
         _check_one_input(request.prompt, request.prompt_token_ids, request.messages)
         _check_priority(request.priority, self.priorities)
-        _check_tokens("prompt_token_ids", request.prompt_token_ids, limits.vocab_size)
+        check_token_ids("prompt_token_ids", request.prompt_token_ids, limits.vocab_size)
         sampling = request.sampling
-        _check_tokens("sampling.stop_token_ids", sampling.stop_token_ids, limits.vocab_size)
-        if sampling.logit_bias and (most := max(sampling.logit_bias)) >= limits.vocab_size:
-            raise InvalidArgument(
-                f"sampling.logit_bias has token id {most}, which is not a token of this model "
-                f"(0..{limits.vocab_size - 1})"
-            )
+        check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, limits.vocab_size)
+        check_token_ids("sampling.logit_bias", list(sampling.logit_bias), limits.vocab_size)
         defaults = {} if sampling.HasField("max_tokens") else {"max_tokens": self.default_max_tokens}
         options = sampling_from_pb(sampling, **defaults)
         n = sampling.n if sampling.HasField("n") else 1
         if not 1 <= n <= MAX_SAMPLES:
             raise InvalidArgument(f"sampling.n is {n}; a request takes 1 to {MAX_SAMPLES} samples")
         stop = _stop_strings(sampling.stop)
-        return CheckedRequest(request, options, stop, _cache_salt(request.cache_salt), n)
+        return CheckedRequest(request, request_id, options, stop, _cache_salt(request.cache_salt), n)
 
     def tokenize(self, checked: CheckedRequest, limits: ModelLimits) -> PreparedRequest:
+        """The request as its worker runs it, checked as the worker checks it: a text prompt's ids may be
+        over the context, and a chat template's outside the model's vocabulary."""
         request = checked.request
         prompt_ids = self.prompt_ids(request.prompt, request.prompt_token_ids, request.messages)
-        room = check_prompt_fits(len(prompt_ids), limits.max_model_len)
-        # Never ask for more than the context has room for: generation would stop there anyway.
-        most = min(checked.options.max_tokens, room)
-        options = dataclasses.replace(
-            checked.options, max_tokens=most, min_tokens=min(checked.options.min_tokens, most)
-        )
-        return PreparedRequest(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt_ids=prompt_ids,
-            options=options,
-            stop=checked.stop,
-            priority=request.priority,
-            cache_salt=checked.cache_salt,
-        )
+        engine = EngineRequest(tuple(prompt_ids), checked.options, request.priority, checked.cache_salt)
+        check_request(engine, limits)
+        return PreparedRequest(checked.request_id, engine, checked.stop)
 
     def prompt_ids(
         self, prompt: str, token_ids: Sequence[int], messages: Sequence[generation_pb2.ChatMessage]
@@ -152,21 +147,6 @@ def _check_one_input(
         raise InvalidArgument(f"the request sets {' and '.join(given)}; set exactly one input")
 
 
-def check_sizes(
-    text: str, messages: Sequence[generation_pb2.ChatMessage], limits: ModelLimits, num_token_ids: int = 0
-) -> None:
-    """Refuse, before tokenizing, an input that cannot fit the context: by its length alone."""
-    if num_token_ids:
-        check_prompt_fits(num_token_ids, limits.max_model_len)
-    chars = len(text) + sum(len(m.content) + len(m.role) for m in messages)
-    most = limits.max_model_len * CHARS_PER_TOKEN
-    if chars > most:
-        raise ResourceExhausted(
-            f"the prompt has {chars} characters, but the model's context is {limits.max_model_len} tokens, "
-            f"which takes at most {most} characters ({CHARS_PER_TOKEN} a token); shorten the prompt"
-        )
-
-
 def _check_priority(priority: int, priorities: tuple[int, int]) -> None:
     lowest, highest = priorities
     if not lowest <= priority <= highest:
@@ -174,16 +154,6 @@ def _check_priority(priority: int, priorities: tuple[int, int]) -> None:
             f"priority is {priority}; this server takes {lowest} to {highest} (lower runs first), "
             "a range its operator sets with --min-priority and --max-priority"
         )
-
-
-def _check_tokens(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
-    if not token_ids or max(token_ids) < vocab_size:  # max() runs in C: a million ids take ms
-        return
-    for i, token in enumerate(token_ids):
-        if token >= vocab_size:
-            raise InvalidArgument(
-                f"{field}[{i}] is {token}, which is not a token of this model (0..{vocab_size - 1})"
-            )
 
 
 def _cache_salt(salt: str) -> str:

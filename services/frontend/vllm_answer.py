@@ -13,16 +13,16 @@ from collections.abc import Iterable, Iterator
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from pagedserve.v1 import generation_pb2
-from services.frontend.generation import Generation
+from services.frontend.generation import Sample
 
 Reason = generation_pb2.GenerateResponse.FinishReason
 FINISH_REASONS = {Reason.STOP: "stop", Reason.LENGTH: "length", Reason.ABORT: "abort"}
 
 
 class SampleAnswer:
-    def __init__(self, generation: Generation, stream: bool) -> None:
-        self._index = generation.index
-        self._generation = generation
+    def __init__(self, sample: Sample, stream: bool) -> None:
+        self._index = sample.index
+        self._sample = sample
         self._stream = stream
         self._token_ids: list[int] = []
         self._logprobs: list[generation_pb2.TokenLogprobs] = []
@@ -31,11 +31,11 @@ class SampleAnswer:
     def messages(
         self, response: generation_pb2.GenerateResponse
     ) -> Iterator[vllm_engine_pb2.GenerateResponse]:
-        """The messages that answer one response of the sample's generation."""
+        """The messages that answer one response of the sample."""
         if self._stream and response.token_ids:
             chunk = vllm_engine_pb2.GenerateStreamChunk(
                 token_ids=response.token_ids,
-                prompt_tokens=self._generation.prompt_tokens,
+                prompt_tokens=self._sample.prompt_tokens,
                 completion_tokens=len(response.token_ids),
                 cached_tokens=response.usage.cached_prompt_tokens,
                 index=self._index,
@@ -54,7 +54,7 @@ class SampleAnswer:
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=last.token_ids if self._stream else self._token_ids,
             finish_reason=FINISH_REASONS[last.finish_reason],
-            prompt_tokens=self._generation.prompt_tokens,
+            prompt_tokens=self._sample.prompt_tokens,
             completion_tokens=len(self._token_ids),
             cached_tokens=last.usage.cached_prompt_tokens,
             index=self._index,
@@ -73,7 +73,7 @@ class SampleAnswer:
         self, scored: Iterable[generation_pb2.TokenLogprobs]
     ) -> vllm_engine_pb2.InputLogProbs:
         """vLLM's prompt logprobs: the first prompt token has none, then one entry per token."""
-        first = self._generation.first_prompt_token
+        first = self._sample.first_prompt_token
         scored = list(scored)
         out = vllm_engine_pb2.InputLogProbs(token_ids=[first, *(entry.token_id for entry in scored)])
         out.token_logprobs.add()

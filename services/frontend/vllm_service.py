@@ -1,12 +1,13 @@
 """`vllm.grpc.engine.VllmEngine`, SMG's vLLM worker protocol, served beside pagedserve.v1.Generation.
 
 A thin servicer over the same path as pagedserve's own Generate: each request is converted at the edge
-(`vllm_request`), runs as one `Generation` per sample (admission, the least-loaded worker, stop strings),
-and its responses go back as vLLM's chunks and completes, token ids only: the gateway detokenizes. A
-stream sends a chunk per engine step that produced tokens and a complete per sample when it ends; a
-non-streamed request sends one complete per sample with everything. When the call ends early (the client
-goes away, or `Abort` names the request) every sample is aborted in its worker, which frees its pages
-within one step. The node's cached pages are the daemon's to tell (`node_cache`).
+(`vllm_request`), runs in the same `call.Call` (admission, the least-loaded worker, stop strings), and its
+responses go back as vLLM's chunks and completes, token ids only: the gateway detokenizes, so a request
+decodes text only to find its stop strings, if it has any. A stream sends a chunk per engine step that
+produced tokens and a complete per sample when it ends; a non-streamed request sends one complete per sample
+with everything. When the call ends early (the client goes away, or `Abort` names the request) every sample
+is aborted in its worker, which frees its pages within one step. The node's cached pages are the daemon's
+to tell (`node_cache`).
 
 Two instances serve it: one on the public port, and one on the gateway's own listener (--gateway-address).
 The node's control surface reaches beyond a caller's own requests: `SubscribeKvEvents` tells the token ids
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -27,10 +27,10 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 
 from pagedserve.plumbing.errors import InvalidArgument, PermissionDenied, Unimplemented
 from services.frontend import vllm_info, vllm_request
-from services.frontend.generation import Generation, Shared, merged
-from services.frontend.metrics import RequestTracker
+from services.frontend.call import Call, CallFrame
+from services.frontend.generation import RequestPipeline
 from services.frontend.node_cache import NodeCache
-from services.frontend.service import deliver
+from services.frontend.validation import request_id_of
 from services.frontend.vllm_answer import SampleAnswer
 
 # What each RPC of the control surface does beyond the caller's own requests, as a refusal names it.
@@ -44,7 +44,7 @@ _CONTROL = {
 class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(
         self,
-        shared: Shared,
+        pipeline: RequestPipeline,
         facts: vllm_info.ModelFacts,
         node_cache: NodeCache | None,
         drain_timeout_s: float,
@@ -52,52 +52,48 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         gateway: bool,
     ) -> None:
         """gateway: this instance serves the gateway's own listener, the only one with the control surface."""
-        self._shared = shared
+        self._pipeline = pipeline
         self._facts = facts
         self._node_cache = node_cache
-        self._drain_timeout_s = drain_timeout_s
+        self._calls = CallFrame(pipeline, drain_timeout_s, with_text=False)
         self._gateway = gateway
-        self._running: dict[str, list[Generation]] = {}  # by request id, for Abort: the gateway's only
+        self._running: dict[str, Call] = {}  # by request id, for Abort: the gateway's only
         self._last_request = 0.0
 
     async def Generate(
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         self._last_request = time.time()
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request_id_of(request.request_id)
         if self._gateway and request_id in self._running:
             raise InvalidArgument(f"request {request_id!r} is already running; give each request its own id")
         converted = vllm_request.request_of(request)
-        with RequestTracker(context) as tracker:
-            # The gateway's requests are many users' (it limits them itself), a public caller's its own.
-            client = None if self._gateway else self._shared.clients.of(context)
-            generations = self._shared.start(converted, tracker, client)
+        # The gateway's requests are many users' (it limits them itself), a public caller's its own.
+        client = None if self._gateway else self._pipeline.clients.of(context)
+        with self._calls.open(converted, request_id, context, client) as call:
             if self._gateway:
-                self._running[request_id] = generations
-            answers = [SampleAnswer(generation, request.stream) for generation in generations]
+                self._running[request_id] = call
+            answers = [SampleAnswer(sample, request.stream) for sample in call.samples]
             try:
-                async for response in merged(generations):
-                    tracker.responded(response)
+                async for response in call.responses():
                     for message in answers[response.index].messages(response):
-                        await deliver(context, message, self._drain_timeout_s)
+                        await call.deliver(message)
             finally:
                 self._running.pop(request_id, None)
-                for generation in generations:
-                    generation.cancel()
 
     async def Abort(
         self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.AbortResponse:
         self._check_gateway("Abort")
         for request_id in request.request_ids:  # an id that has ended, or never ran, is no error
-            for generation in self._running.get(request_id, ()):
-                generation.cancel()
+            if (call := self._running.get(request_id)) is not None:
+                call.cancel()
         return vllm_engine_pb2.AbortResponse()
 
     async def HealthCheck(
         self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.HealthCheckResponse:
-        router = self._shared.router
+        router = self._pipeline.router
         if router.any_up:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
         why = "; ".join(f"{link.address}: {link.refusing or link.down_reason}" for link in router.links)
@@ -108,21 +104,22 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetModelInfoResponse:
-        return self._facts.model_info(self._shared.router)
+        return self._facts.model_info(self._pipeline.router)
 
     async def GetServerInfo(
         self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetServerInfoResponse:
-        admission = self._shared.admission
+        admission = self._pipeline.admission
         active = admission.running + admission.waiting
-        return self._facts.server_info(self._shared.router, active, self._last_request, admission.max_running)
+        router = self._pipeline.router
+        return self._facts.server_info(router, active, self._last_request, admission.max_running)
 
     async def GetLoads(
         self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetLoadsResponse:
-        admission = self._shared.admission
+        admission = self._pipeline.admission
         return vllm_info.loads(
-            self._shared.router, admission.running, admission.waiting, admission.max_running
+            self._pipeline.router, admission.running, admission.waiting, admission.max_running
         )
 
     async def GetTokenizer(

@@ -255,7 +255,7 @@ BAD = {
     "bias-nan": ({"logit_bias": {5: math.nan}}, "sampling.logit_bias[5]"),
     "bias-not-a-token": (
         {"logit_bias": {49152: 1.0}},
-        "sampling.logit_bias has token id 49152, which is not a token of this model",
+        "sampling.logit_bias holds 49152, which is not a token of this model",
     ),
     "bias-301-tokens": ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "sampling.logit_bias"),
     "min-over-max": ({"min_tokens": 6, "max_tokens": 5}, "sampling.min_tokens"),

@@ -11,8 +11,9 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
 from pagedserve.v1 import generation_pb2 as pb
+from services.common.request import CHARS_PER_TOKEN, check_prompt_fits, check_text_fits
 from services.frontend.chat import ChatRenderer
-from services.frontend.validation import CHARS_PER_TOKEN, check_sizes
+from services.frontend.validation import text_length
 from tests.models import make_tokenizer
 from tests.unit.validating import LIMITS, chat_ids
 
@@ -52,12 +53,12 @@ def test_a_template_that_rewrites_such_a_message_is_refused(tmp_path: Path) -> N
 
 def test_sizes_are_checked_by_length_before_tokenizing() -> None:
     most = LIMITS.max_model_len * CHARS_PER_TOKEN
-    check_sizes("x" * most, [], LIMITS)
+    check_text_fits(text_length("x" * most, []), LIMITS)
     with pytest.raises(
         ResourceExhausted, match=f"the prompt has {most + 1} characters, but the model's context"
     ):
-        check_sizes("x" * (most + 1), [], LIMITS)
+        check_text_fits(text_length("x" * (most + 1), []), LIMITS)
     with pytest.raises(ResourceExhausted):
-        check_sizes("", messages(("user", "x" * most)), LIMITS)  # the role counts too
+        check_text_fits(text_length("", messages(("user", "x" * most))), LIMITS)  # the role counts too
     with pytest.raises(ResourceExhausted, match="the prompt has 64 tokens"):
-        check_sizes("", [], LIMITS, num_token_ids=LIMITS.max_model_len)
+        check_prompt_fits(LIMITS.max_model_len, LIMITS.max_model_len)

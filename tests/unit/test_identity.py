@@ -59,4 +59,4 @@ def test_a_priority_outside_the_operators_range_is_refused(builder: RequestBuild
 
 @pytest.mark.parametrize("priority", [0, 1000])
 def test_the_ends_of_the_range_are_taken(builder: RequestBuilder, priority: int) -> None:
-    assert prepare(builder, None, token_ids=[1, 2], priority=priority).priority == priority
+    assert prepare(builder, None, token_ids=[1, 2], priority=priority).engine.priority == priority

@@ -1,5 +1,5 @@
-"""RequestBuilder.prepare: from a public GenerateRequest's input (a prompt, prompt ids or chat messages)
-to prompt ids that fit the context, and max_tokens clamped to the room left.
+"""RequestBuilder: from a public GenerateRequest's input (a prompt, prompt ids or chat messages) to prompt
+ids that fit the context, and the sampling options as the client gave them.
 
 The builder (the `builder` fixture, tests/unit/conftest.py) runs over the real SmolLM2 tokenizer with a
 deliberately small context (64 tokens), so that prompts over the context are easy to write as
@@ -61,21 +61,19 @@ def test_more_than_one_input_is_refused(builder: RequestBuilder, kwargs: dict[st
 
 def test_prompt_text_is_tokenized(builder: RequestBuilder, tokenizer: PreTrainedTokenizerBase) -> None:
     prepared = prepare(builder, "Hello, world!")
-    assert prepared.prompt_ids == list(tokenizer("Hello, world!")["input_ids"]) == [19556, 28, 905, 17]
+    assert list(prepared.engine.prompt_ids) == tokenizer("Hello, world!")["input_ids"] == [19556, 28, 905, 17]
 
 
 def test_prompt_token_ids_are_kept(builder: RequestBuilder) -> None:
     ids = [0, 1, 2, 17, VOCAB_SIZE - 1]
-    assert prepare(builder, None, token_ids=ids).prompt_ids == ids
+    assert prepare(builder, None, token_ids=ids).engine.prompt_ids == tuple(ids)
 
 
-@pytest.mark.parametrize(("ids", "index"), [([VOCAB_SIZE], 0), ([1, 2, VOCAB_SIZE + 7, 3], 2)])
-def test_prompt_token_out_of_vocabulary_names_its_index(
-    builder: RequestBuilder, ids: list[int], index: int
-) -> None:
+@pytest.mark.parametrize("ids", [[VOCAB_SIZE], [1, 2, VOCAB_SIZE + 7, 3]])
+def test_prompt_token_out_of_vocabulary_is_named(builder: RequestBuilder, ids: list[int]) -> None:
     message = refusal(builder, generate_request(token_ids=ids))
     assert message == (
-        f"prompt_token_ids[{index}] is {ids[index]}, which is not a token of this model (0..{VOCAB_SIZE - 1})"
+        f"prompt_token_ids holds {max(ids)}, which is not a token of this model (0..{VOCAB_SIZE - 1})"
     )
 
 
@@ -97,10 +95,10 @@ def test_prompt_token_out_of_vocabulary_names_its_index(
 def test_messages_are_rendered_through_the_chat_template(
     builder: RequestBuilder, tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
 ) -> None:
-    prepared = prepare(builder, None, messages=messages)
-    assert prepared.prompt_ids == chat_ids(tokenizer, messages)
-    assert tokenizer.decode(prepared.prompt_ids).endswith(GENERATION_PROMPT)
-    assert messages[-1]["content"] in tokenizer.decode(prepared.prompt_ids)
+    prompt_ids = list(prepare(builder, None, messages=messages).engine.prompt_ids)
+    assert prompt_ids == chat_ids(tokenizer, messages)
+    assert tokenizer.decode(prompt_ids).endswith(GENERATION_PROMPT)
+    assert messages[-1]["content"] in tokenizer.decode(prompt_ids)
 
 
 @pytest.mark.parametrize(("bad_role", "index"), [("bot", 1), ("", 0), ("User", 1)])
@@ -114,10 +112,16 @@ def test_unknown_role_names_its_index(builder: RequestBuilder, bad_role: str, in
 # The context ----------------------------------------------------------------------------------------------
 
 
-def test_prompt_one_short_of_the_context_gets_one_token(builder: RequestBuilder) -> None:
-    prepared = prepare(builder, None, token_ids=[TOKEN] * (MAX_MODEL_LEN - 1))
-    assert len(prepared.prompt_ids) == 63
-    assert prepared.options.max_tokens == 1
+@pytest.mark.parametrize("max_tokens", [None, 1, 100])
+def test_prompt_one_short_of_the_context_keeps_max_tokens(
+    builder: RequestBuilder, max_tokens: int | None
+) -> None:
+    """The request goes to the worker as the client asked: generation ends with LENGTH at the context's end
+    (tests/integration/test_frontend_context.py), so the frontend has nothing to cut."""
+    sampling = {} if max_tokens is None else {"max_tokens": max_tokens}
+    prepared = prepare(builder, None, token_ids=[TOKEN] * (MAX_MODEL_LEN - 1), **sampling)
+    assert len(prepared.engine.prompt_ids) == 63
+    assert prepared.engine.options.max_tokens == (max_tokens or DEFAULT_MAX_TOKENS)
 
 
 @pytest.mark.parametrize("length", [MAX_MODEL_LEN, MAX_MODEL_LEN + 36])
@@ -129,22 +133,10 @@ def test_prompt_filling_the_context_is_refused(builder: RequestBuilder, length: 
     )
 
 
-@pytest.mark.parametrize(
-    ("prompt_len", "max_tokens", "expected"),
-    [
-        (60, None, 4),  # the default (10) is clamped too
-        (50, None, DEFAULT_MAX_TOKENS),
-        (60, 100, 4),  # larger than the room: clamped
-        (60, 4, 4),  # exactly the room
-        (60, 3, 3),  # smaller: kept
-        (10, 1, 1),
-        (10, 54, 54),
-        (10, 55, 54),
-    ],
-)
-def test_max_tokens_is_clamped_to_the_room_left(
-    builder: RequestBuilder, prompt_len: int, max_tokens: int | None, expected: int
+def test_text_over_the_context_is_refused_once_tokenized(
+    builder: RequestBuilder, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    sampling = {} if max_tokens is None else {"max_tokens": max_tokens}
-    prepared = prepare(builder, None, token_ids=[TOKEN] * prompt_len, **sampling)
-    assert prepared.options.max_tokens == expected
+    text = "word " * MAX_MODEL_LEN  # short enough in characters to reach the tokenizer
+    tokens = len(tokenizer(text)["input_ids"])
+    message = refusal(builder, generate_request(text), ResourceExhausted)
+    assert message.startswith(f"the prompt has {tokens} tokens, but the model's context is 64 tokens")

@@ -1,4 +1,4 @@
-"""RequestBuilder.prepare: checked sampling options, stop strings and stop tokens, and request ids.
+"""RequestBuilder: checked sampling options, stop strings and stop tokens, and request ids.
 
 The builder (the `builder` fixture, tests/unit/conftest.py) runs over the real SmolLM2 tokenizer with a
 deliberately small context (64 tokens), so that prompts over the context are easy to write as
@@ -27,7 +27,7 @@ from tests.unit.validating import DEFAULT_MAX_TOKENS, VOCAB_SIZE, prepare, refus
 
 def test_unset_fields_get_their_defaults(builder: RequestBuilder) -> None:
     prepared = prepare(builder)
-    assert prepared.options == SamplingOptions(
+    assert prepared.engine.options == SamplingOptions(
         max_tokens=DEFAULT_MAX_TOKENS,
         temperature=1.0,
         top_p=1.0,
@@ -42,7 +42,7 @@ def test_unset_fields_get_their_defaults(builder: RequestBuilder) -> None:
         logprobs=0,
     )
     assert prepared.stop == ()
-    assert prepared.priority == 0
+    assert prepared.engine.priority == 0
 
 
 def test_set_fields_are_kept(builder: RequestBuilder) -> None:
@@ -64,7 +64,7 @@ def test_set_fields_are_kept(builder: RequestBuilder) -> None:
         logprobs=5,
         priority=3,
     )
-    assert prepared.options == SamplingOptions(
+    assert prepared.engine.options == SamplingOptions(
         max_tokens=3,
         temperature=0.5,
         top_p=0.75,
@@ -79,20 +79,20 @@ def test_set_fields_are_kept(builder: RequestBuilder) -> None:
         logprobs=5,
     )
     assert prepared.stop == ("END", "世界")
-    assert prepared.priority == 3
+    assert prepared.engine.priority == 3
 
 
 def test_explicit_zero_temperature_is_greedy(builder: RequestBuilder) -> None:
-    options = prepare(builder, temperature=0.0).options
+    options = prepare(builder, temperature=0.0).engine.options
     assert options.temperature == 0.0
     assert options.greedy is True
-    assert prepare(builder).options.greedy is False
+    assert prepare(builder).engine.options.greedy is False
 
 
 @pytest.mark.parametrize(("seed", "expected"), [(None, None), (0, 0), (-5, -5), (2**62, 2**62)])
 def test_seed_is_none_unless_set(builder: RequestBuilder, seed: int | None, expected: int | None) -> None:
     sampling = {} if seed is None else {"seed": seed}
-    assert prepare(builder, **sampling).options.seed == expected
+    assert prepare(builder, **sampling).engine.options.seed == expected
 
 
 @pytest.mark.parametrize(
@@ -145,12 +145,13 @@ def test_empty_or_long_stop_string_is_refused(
 
 
 def test_stop_token_ids_in_vocabulary_are_kept(builder: RequestBuilder) -> None:
-    assert prepare(builder, stop_token_ids=[0, VOCAB_SIZE - 1]).options.stop_token_ids == (0, VOCAB_SIZE - 1)
+    options = prepare(builder, stop_token_ids=[0, VOCAB_SIZE - 1]).engine.options
+    assert options.stop_token_ids == (0, VOCAB_SIZE - 1)
 
 
 def test_stop_token_id_out_of_vocabulary_is_refused(builder: RequestBuilder) -> None:
     message = refusal(builder, generate_request("Hello", stop_token_ids=[2, 3, VOCAB_SIZE]))
-    assert message == "sampling.stop_token_ids[2] is 49152, which is not a token of this model (0..49151)"
+    assert message == "sampling.stop_token_ids holds 49152, which is not a token of this model (0..49151)"
 
 
 def test_too_many_stop_token_ids_are_refused(builder: RequestBuilder) -> None:
