@@ -67,8 +67,10 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
 
 
 def _kv_layer(kv_layer: torch.Tensor) -> tuple[int, int, int, int]:
-    _require(kv_layer.dim() == 5 and kv_layer.shape[0] == 2 and kv_layer.is_contiguous(),
-             "kv_layer must be a contiguous [2, P, B, Hkv, D] view of the pool")  # fmt: skip
+    _require(
+        kv_layer.dim() == 5 and kv_layer.shape[0] == 2 and kv_layer.is_contiguous(),
+        "kv_layer must be a contiguous [2, P, B, Hkv, D] view of the pool",
+    )
     pages, page_size, kv_heads, head_dim = kv_layer.shape[1:]
     _require(page_size in PAGE_SIZES, f"page size {page_size} is not one of {PAGE_SIZES}")
     _require(head_dim in HEAD_DIMS, f"head dim {head_dim} is not one of {HEAD_DIMS}")
@@ -97,8 +99,15 @@ def kv_write(
     if tokens == 0:
         return
     strides = (np.int64(k.stride(0)), np.int64(v.stride(0)))
-    args = (_ptr(k), _ptr(v), _ptr(kv_layer), _ptr(slot_mapping), *strides, np.int32(row),
-            np.int64(pages * page_size * row))  # fmt: skip
+    args = (
+        _ptr(k),
+        _ptr(v),
+        _ptr(kv_layer),
+        _ptr(slot_mapping),
+        *strides,
+        np.int32(row),
+        np.int64(pages * page_size * row),
+    )
     vec = _pack([k, v, kv_layer], row)
     block = (min(row // vec, tuning.row_threads),)
     launch("kv_write", "kv_write", {**dtype, "VEC": vec}, (tokens,), block, args, k.device)
@@ -168,14 +177,34 @@ def paged_decode(
         partial_max = torch.empty(seqs, kv_heads, partitions, group, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
         partial_out = partial_max.new_empty(*partial_max.shape, head_dim)
-    args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(q), _ptr(kv_layer),
-            _ptr(block_tables), _ptr(seq_lens), np.int32(kv_heads), np.int32(block_tables.shape[1]),
-            np.int64(q.stride(0)), np.int64(shape.v_offset), np.float32(scale),
-            np.int32(split.partition_size))  # fmt: skip
+    args = (
+        _ptr(out),
+        _ptr(partial_out),
+        _ptr(partial_max),
+        _ptr(partial_sum),
+        _ptr(q),
+        _ptr(kv_layer),
+        _ptr(block_tables),
+        _ptr(seq_lens),
+        np.int32(kv_heads),
+        np.int32(block_tables.shape[1]),
+        np.int64(q.stride(0)),
+        np.int64(shape.v_offset),
+        np.float32(scale),
+        np.int32(split.partition_size),
+    )
     launch(name, name, macros, (seqs, kv_heads, partitions), (threads,), args, q.device, shared)
     if partitions > 1:
-        reduce_args = (_ptr(out), _ptr(partial_out), _ptr(partial_max), _ptr(partial_sum), _ptr(seq_lens),
-                       np.int32(kv_heads), np.int32(partitions), np.int32(split.partition_size))  # fmt: skip
+        reduce_args = (
+            _ptr(out),
+            _ptr(partial_out),
+            _ptr(partial_max),
+            _ptr(partial_sum),
+            _ptr(seq_lens),
+            np.int32(kv_heads),
+            np.int32(partitions),
+            np.int32(split.partition_size),
+        )
         heads = (seqs, q.shape[1])
         merge = {**shape.macros, "NUM_WARPS": tuning.decode_warps}  # paged_decode.cu's
         launch("paged_decode", "paged_decode_reduce", merge, heads, (head_dim,), reduce_args, q.device)
@@ -210,13 +239,26 @@ def paged_prefill(
     if tokens == 0:
         return
     macros = {**shape.macros, "NUM_WARPS": warps}
-    common = (np.int32(kv_heads), np.int32(meta.block_tables.shape[1]), np.int64(q.stride(0)),
-              np.int64(shape.v_offset), np.float32(scale))  # fmt: skip
+    common = (
+        np.int32(kv_heads),
+        np.int32(meta.block_tables.shape[1]),
+        np.int64(q.stride(0)),
+        np.int64(shape.v_offset),
+        np.float32(scale),
+    )
     args: tuple
     if not _on_tensor_cores(out, q, kv_layer):  # a warp per query token and KV head
         name = "paged_prefill"
-        args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(meta.prefill_seq),
-                _ptr(meta.prefill_pos), np.int32(tokens), *common)  # fmt: skip
+        args = (
+            _ptr(out),
+            _ptr(q),
+            _ptr(kv_layer),
+            _ptr(meta.block_tables),
+            _ptr(meta.prefill_seq),
+            _ptr(meta.prefill_pos),
+            np.int32(tokens),
+            *common,
+        )
         grid: tuple[int, ...] = (-(-tokens * kv_heads // warps),)
     else:
         name = "paged_prefill_mma"
@@ -249,8 +291,18 @@ def rms_norm(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows:
         head_stride = x.stride(1) if x.dim() == 3 else 0
-        args = (_ptr(out), _ptr(residual), _ptr(x), _ptr(residual), _ptr(weight), np.int32(hidden),
-                np.int32(heads), np.int64(x.stride(0)), np.int64(head_stride), np.float32(eps))  # fmt: skip
+        args = (
+            _ptr(out),
+            _ptr(residual),
+            _ptr(x),
+            _ptr(residual),
+            _ptr(weight),
+            np.int32(hidden),
+            np.int32(heads),
+            np.int64(x.stride(0)),
+            np.int64(head_stride),
+            np.float32(eps),
+        )
         vec = _pack([out, x, weight, *([residual] if residual is not None else [])], hidden)
         packs = -(-hidden // vec)
         threads = min(tuning.row_threads, max(32, -(-packs // 32) * 32))
@@ -276,8 +328,16 @@ def rotary(
     dtype = _dtype(q, k, cos_sin)
     if q.shape[0] == 0:
         return
-    args = (_ptr(q), _ptr(k), _ptr(positions), _ptr(cos_sin), np.int32(q.shape[1]), np.int32(k.shape[1]),
-            np.int64(q.stride(0)), np.int64(k.stride(0)))  # fmt: skip
+    args = (
+        _ptr(q),
+        _ptr(k),
+        _ptr(positions),
+        _ptr(cos_sin),
+        np.int32(q.shape[1]),
+        np.int32(k.shape[1]),
+        np.int64(q.stride(0)),
+        np.int64(k.stride(0)),
+    )
     vec = _pack([q, k, cos_sin], head_dim // 2)
     packs = (q.shape[1] + k.shape[1]) * head_dim // 2 // vec
     macros = {**dtype, "VEC": vec, "HEAD_DIM": head_dim}

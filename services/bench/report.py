@@ -59,19 +59,44 @@ def table(runs: list[dict], load_name: str) -> str:
     def share(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}%}"
 
-    header = ["system", load_name, "req/s", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50",
-              "ITL p99", "goodput", "errors", "KV frag", "prefix hits", "preemptions"]  # fmt: skip
+    header = [
+        "system",
+        load_name,
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p90",
+        "TTFT p99",
+        "TPOT p50",
+        "ITL p99",
+        "goodput",
+        "errors",
+        "KV frag",
+        "prefix hits",
+        "preemptions",
+    ]
     rows = []
     for run in runs:
         s, kv = run["summary"], run.get("kv") or {}
         rate = f"{s['output_tokens_per_s']:.1f}"
-        rows.append([
-            run["system"], f"{run['load']:g}", f"{s['requests_per_s']:.2f}", rate,
-            ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p90"]), ms(s["ttft_s"]["p99"]), ms(s["tpot_s"]["p50"]),
-            ms(s["itl_s"]["p99"]), f"{s['goodput_requests_per_s']:.2f}", str(sum(s["errors"].values())),
-            share(kv.get("kv_fragmentation"), 1), share(kv.get("prefix_hit_rate"), 0),
-            str(int(kv["preemptions"])) if "preemptions" in kv else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                run["system"],
+                f"{run['load']:g}",
+                f"{s['requests_per_s']:.2f}",
+                rate,
+                ms(s["ttft_s"]["p50"]),
+                ms(s["ttft_s"]["p90"]),
+                ms(s["ttft_s"]["p99"]),
+                ms(s["tpot_s"]["p50"]),
+                ms(s["itl_s"]["p99"]),
+                f"{s['goodput_requests_per_s']:.2f}",
+                str(sum(s["errors"].values())),
+                share(kv.get("kv_fragmentation"), 1),
+                share(kv.get("prefix_hit_rate"), 0),
+                str(int(kv["preemptions"])) if "preemptions" in kv else "-",
+            ]
+        )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)

@@ -24,7 +24,7 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.9, help="when sampling (default: %(default)s)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--token", help="the frontend's bearer token (default: $PAGEDSERVE_API_TOKEN)")
-    parser.add_argument("--tls-ca", help="a PEM CA file: reach a frontend that serves TLS")  # fmt: skip
+    parser.add_argument("--tls-ca", help="a PEM CA file: reach a frontend that serves TLS")
 
 
 def client_from_args(args: argparse.Namespace) -> Client:

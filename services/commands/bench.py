@@ -131,8 +131,14 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "hf":
         runs += _baselines(args, workloads, slo, records, by_rate)
     args.out.mkdir(parents=True, exist_ok=True)
-    config = {"workload": vars(spec), "requests": args.requests, "load": load_name, "levels": levels,
-              "model_id": model_id, "targets": targets}  # fmt: skip
+    config = {
+        "workload": vars(spec),
+        "requests": args.requests,
+        "load": load_name,
+        "levels": levels,
+        "model_id": model_id,
+        "targets": targets,
+    }
     report.write_json(args.out / "bench.json", config, runs)
     report.plot(args.out / "bench.png", runs, records, load_name)
     print(report.table(runs, load_name))
