@@ -6,13 +6,14 @@ that samples, and hands them to the scheduler's own postprocess, as the engine c
 
 Sections: the pool and fake step helpers; token budget and chunked prefill; admission by rank; prefix
 caching on admission; preemption by recompute; sequences the pool cannot hold; finish() and the stop
-rules postprocess applies; a launched step's tokens; and a random workload that keeps every rule and
-exact page accounting.
+rules postprocess applies; a grammar's compile (COMPILING); a launched step's tokens; and a random
+workload that keeps every rule and exact page accounting.
 """
 
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import pytest
@@ -20,8 +21,10 @@ import torch
 
 from memory_daemon.refill import RefillSettings
 from memory_daemon.shape import PoolShape
+from pagedserve.plumbing.errors import InvalidArgument
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
+from services.common.structured import Constraint
 from services.worker.core.model_runner import StepInFlight
 from services.worker.core.sampler import Draw, Samples
 from services.worker.core.scheduler import ScheduledSeq, Scheduler
@@ -528,6 +531,69 @@ def test_postprocess_applies_the_stop_rules_and_frees_a_finished_sequence(
     )
     assert (seq.finish_reason, "r" in scheduler.requests) == (reason, reason is None)
     assert held_pages(kv) == (0 if reason else 2)
+
+
+# A grammar's compile: the sequence waits, as COMPILING ------------------------------------------------------
+
+
+class AcceptsAll:
+    """A compiled grammar that allows every token and never ends: the compile's state is what is tested."""
+
+    terminated = False
+
+    def accept(self, token_id: int) -> bool:
+        return True
+
+
+def compiling_seq(key: str, compiled: Future) -> Sequence:
+    structured = Constraint("regex", "[ab]+")
+    request = EngineRequest(tuple(prompt(5)), SamplingOptions(max_tokens=2, structured=structured))
+    return Sequence(key, request, arrival=0, grammar=compiled)
+
+
+def test_a_compiling_sequence_waits_without_pages_then_runs_once_its_grammar_is_ready() -> None:
+    kv = make_kv(8)
+    scheduler = make_scheduler(kv)
+    compiled: Future = Future()
+    seq = compiling_seq("r", compiled)
+    scheduler.add(seq)
+    assert (seq.status, scheduler.num_waiting, scheduler.has_work()) == (Status.COMPILING, 1, False)
+    plan = scheduler.schedule()
+    assert (plan.items, plan.ended, held_pages(kv)) == ([], [], 0)
+    compiled.set_result(AcceptsAll())
+    assert scheduler.has_work()
+    assert [(item.seq.key, item.count) for item in scheduler.schedule().items] == [("r", 5)]
+    assert seq.status is Status.RUNNING and seq.grammar is not None and seq.compiling is None
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_sequence_with_the_refusal() -> None:
+    kv = make_kv(8)
+    scheduler = make_scheduler(kv)
+    compiled: Future = Future()
+    scheduler.add(compiling_seq("r", compiled))
+    compiled.set_exception(InvalidArgument("sampling.structured.regex does not compile: bad"))
+    plan = scheduler.schedule()
+    (output,) = plan.ended
+    assert (output.key, output.finish_reason, str(output.error)) == (
+        "r",
+        FinishReason.ABORT,
+        "sampling.structured.regex does not compile: bad",
+    )
+    assert (plan.items, scheduler.requests, scheduler.num_waiting) == ([], {}, 0)
+    assert_settled(kv)
+
+
+def test_a_sequence_aborted_while_compiling_leaves_nothing_behind() -> None:
+    kv = make_kv(8)
+    scheduler = make_scheduler(kv)
+    compiled: Future = Future()
+    seq = compiling_seq("r", compiled)
+    scheduler.add(seq)
+    scheduler.finish(seq, FinishReason.ABORT)
+    compiled.set_result(AcceptsAll())  # the compile ends later: nothing waits for it
+    assert (scheduler.schedule().items, scheduler.requests, scheduler.num_waiting) == ([], {}, 0)
+    assert seq.status is Status.FINISHED and seq.grammar is None
+    assert_settled(kv)
 
 
 # A launched step's tokens -----------------------------------------------------------------------------------

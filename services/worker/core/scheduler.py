@@ -23,7 +23,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, StatusError
+from pagedserve.plumbing.errors import FailedPrecondition, StatusError
 from services.worker.core.sequence import (
     PENDING,
     FinishReason,
@@ -106,9 +106,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a step would do anything: a sequence to run, or a grammar that is ready."""
-        return bool(
-            self.running or self._waiting or any(seq.compiling.done() for seq in self._compiling)  # type: ignore[union-attr]
-        )
+        return bool(self.running or self._waiting or any(seq.grammar_ready for seq in self._compiling))
 
     def add(self, seq: Sequence) -> None:
         assert seq.key not in self.requests, f"request {seq.key!r} is already running"
@@ -197,11 +195,9 @@ class Scheduler:
     def _take_compiled(self) -> list[RequestOutput]:
         """Queue the sequences whose grammars are compiled; end those whose grammars failed."""
         ended = []
-        for seq in [seq for seq in self._compiling if seq.compiling.done()]:  # type: ignore[union-attr]
+        for seq in [seq for seq in self._compiling if seq.grammar_ready]:
             try:
-                seq.grammar = seq.compiling.result()  # type: ignore[union-attr]
-                if not all(seq.grammar.accept(token) for token in seq.output_ids):
-                    raise InvalidArgument("the generated tokens do not follow sampling.structured")
+                seq.take_grammar()
             except StatusError as refusal:
                 self.finish(seq, FinishReason.ABORT)
                 ended.append(RequestOutput.of(seq, error=refusal))

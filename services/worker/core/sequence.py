@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from memory_daemon.prefix import ROOT_KEY, page_keys, salted_root
-from pagedserve.plumbing.errors import StatusError
+from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 
@@ -61,7 +61,7 @@ class Sequence:
         self.arrival = arrival
         self.cache_root = salted_root(request.cache_salt)  # the parent of its page-key chain
         self.follows = follows
-        self.compiling = grammar
+        self.compiling = grammar  # until its grammar is taken (`take_grammar`)
         self.grammar: GrammarState | None = None  # its structured output's matcher, once compiled
         self.status = Status.COMPILING if grammar is not None else Status.WAITING
         self.pages: list[int] = []  # the block table
@@ -116,6 +116,21 @@ class Sequence:
         self.num_shared = 0
         self.status = Status.WAITING
         self.epoch += 1
+
+    @property
+    def grammar_ready(self) -> bool:
+        """Whether the grammar it waits for, if any, has compiled (or failed to)."""
+        return self.compiling is None or self.compiling.done()
+
+    def take_grammar(self) -> None:
+        """Take its compiled grammar, past the tokens it generated already; raises the refusal (StatusError)
+        of a grammar that does not compile, or that those tokens do not follow."""
+        if self.compiling is None:
+            return
+        compiling, self.compiling = self.compiling, None
+        self.grammar = compiling.result()
+        if not all(self.grammar.accept(token) for token in self.output_ids):
+            raise InvalidArgument("the generated tokens do not follow sampling.structured")
 
     @property
     def announced(self) -> bool:
