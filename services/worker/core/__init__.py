@@ -6,5 +6,7 @@ the `scheduler` picks what runs (token budget, chunked prefill, prefix-cache adm
 `model_runner` builds the batch (`batch`), runs the model (by `cuda_graphs` replay where one fits) and samples
 (`sampler`), and `Scheduler.postprocess` applies stop rules and frees finished sequences' pages. What each
 step produced goes out as `sequence.RequestOutput`s to one callback; the servicer converts them. Outside this
-package, only `loop` is used (an import-linter contract holds it), but by tests and benchmarks.
+package, the worker's servicer and metrics use `loop`'s facade alone, and its server builds the engine
+(`EngineCore`, `DecodeGraphs`, `Grammars`) for it; import-linter contracts hold both. Tests and benchmarks
+drive the core directly.
 """
