@@ -49,7 +49,6 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0  # steps that ran the model
-    batch_tokens: int = 0  # tokens in the last step's forward pass
 
 
 class Engine:
@@ -199,7 +198,6 @@ class Engine:
             cached_prompt_tokens=scheduler.cached_prompt_tokens,
             generation_tokens=core.generation_tokens,
             steps=core.steps,
-            batch_tokens=core.last_batch[0],
         )
 
     def _has_work(self) -> bool:
