@@ -1,7 +1,7 @@
 """The kernel backend interface, and the attention metadata one engine step hands to it.
 
 Shapes use these names: T tokens in the step, S sequences, Hq query heads, Hkv KV heads, D head dim,
-P pages in the pool, B tokens a page, I the MLP's intermediate size.
+P pages in the pool, B tokens a page, I the MLP's intermediate size, E experts.
 
 One layer's KV cache is `kv_layer`, a view of the pool of shape [2, P, B, Hkv, D]: K at index 0, V at 1.
 """
@@ -87,3 +87,17 @@ class KernelBackend(Protocol):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] W^T [K, N] (+ bias [N]): F.linear."""
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        router: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        """A mixture of E experts' SiLU-gated MLPs over x [T, H]: each token goes to the top_k experts of
+        softmax(x router^T) (router [E, H]; the chosen weights rescaled to sum to one when renormalize), and
+        gets the weighted sum of their outputs, down_e (silu(gate_e x) * up_e x), with gate_up [E, 2 I, H]
+        (gate rows first) and down [E, H, I]. Returns [T, H]."""

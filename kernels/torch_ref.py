@@ -27,6 +27,38 @@ from kernels.backend import AttentionMetadata
 GROUP_COST_SLOTS = 384
 
 
+def moe_reference(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """`KernelBackend.moe` as transformers computes it (routing in fp32), one GEMM pair per expert over
+    the tokens routed to it, so that each chosen expert's weights are read once a step. The tokens' counts
+    per expert go to the host: it does not run inside a CUDA graph."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)  # [T, k] each
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    flat = chosen.flatten()
+    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, each group in token order
+    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(out.dtype))
+    return out
+
+
 class TorchBackend:
     name = "torch"
 
@@ -102,6 +134,8 @@ class TorchBackend:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    moe = staticmethod(moe_reference)
 
     @staticmethod
     def _gather(kv_layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

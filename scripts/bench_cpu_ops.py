@@ -34,7 +34,7 @@ from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
-from services.worker.models import CausalLM  # noqa: E402
+from services.worker.models import CausalLM, load_model  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # QKV, O, gate-up, down: [N, K]
 
@@ -82,7 +82,7 @@ def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
 
 def bench_steps(backends: dict[str, KernelBackend], rows: list[int]) -> None:
     models = {
-        name: CausalLM.from_pretrained(
+        name: load_model(
             default_model_dir(), dtype=torch.float32, device=torch.device("cpu"), backend=backend
         )
         for name, backend in backends.items()

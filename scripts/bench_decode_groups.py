@@ -29,7 +29,7 @@ from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
-from services.worker.models import CausalLM  # noqa: E402
+from services.worker.models import load_model  # noqa: E402
 
 ONE_GROUP = 2**62  # a group cost no padding outweighs
 
@@ -45,9 +45,7 @@ def main() -> int:
     rng = random.Random(0)
     lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests)]
     grouped, padded = TorchBackend(), TorchBackend(group_cost=ONE_GROUP)
-    model = CausalLM.from_pretrained(
-        default_model_dir(), dtype=torch.float32, device=torch.device("cpu"), backend=grouped
-    )
+    model = load_model(default_model_dir(), dtype=torch.float32, device=torch.device("cpu"), backend=grouped)
     spec = model.spec
     shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
     kv = LocalKVCache(shape, 3 * 2**30 // shape.page_bytes)

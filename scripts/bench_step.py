@@ -39,7 +39,7 @@ from services.worker.core.cuda_graphs import DecodeGraphs  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.core.sampler import Draw  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
-from services.worker.models import CausalLM  # noqa: E402
+from services.worker.models import CausalLM, load_model  # noqa: E402
 from services.worker.server import kernel_backend  # noqa: E402
 from tests.models import make_model  # noqa: E402
 
@@ -73,7 +73,7 @@ def build_model(args: argparse.Namespace, device: torch.device, folder: Path) ->
                num_hidden_layers=args.layers)  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = kernel_backend(WorkerConfig(device=device.type), device)
-    return CausalLM.from_pretrained(folder, dtype=dtype, device=device, backend=backend)
+    return load_model(folder, dtype=dtype, device=device, backend=backend)
 
 
 def build_engine(args: argparse.Namespace, model: CausalLM, scheduling: str) -> EngineCore:

@@ -37,7 +37,7 @@ from services.worker.core import sampler  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.core.grammar import Grammars  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
-from services.worker.models import CausalLM  # noqa: E402
+from services.worker.models import CausalLM, load_model  # noqa: E402
 from services.worker.server import kernel_backend  # noqa: E402
 
 KV_BYTES = 256 * 2**20
@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     config = WorkerConfig()
     folder = default_model_dir()
-    model = CausalLM.from_pretrained(
+    model = load_model(
         folder,
         dtype=torch.float32,
         device=torch.device("cpu"),

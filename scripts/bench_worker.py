@@ -44,7 +44,7 @@ from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.base import KVCache  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.kv.remote import DaemonKVCache  # noqa: E402
-from services.worker.models import CausalLM  # noqa: E402
+from services.worker.models import CausalLM, load_model  # noqa: E402
 from services.worker.server import kernel_backend  # noqa: E402
 
 KV_BYTES = 512 * 2**20
@@ -249,7 +249,7 @@ def main() -> int:
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), n, args.prompt_tokens)
     cpu = torch.device("cpu")
     backend = kernel_backend(WorkerConfig(device="cpu"), cpu)  # the worker's own choice: the C++ ops
-    model = CausalLM.from_pretrained(model_dir, dtype=torch.float32, device=cpu, backend=backend)
+    model = load_model(model_dir, dtype=torch.float32, device=cpu, backend=backend)
     config = EngineConfig(
         max_batched_tokens=args.max_batched_tokens, max_num_seqs=max(n, 16), prefix_caching=False
     )

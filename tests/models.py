@@ -14,12 +14,17 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 512
@@ -53,6 +58,45 @@ FAMILIES: dict[str, PretrainedConfig] = {
     "mistral": MistralConfig(**_COMMON, sliding_window=None),
     "qwen2-bias": Qwen2Config(**_COMMON, tie_word_embeddings=False),
     "qwen3-qknorm": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False),
+    "phi3-fused": Phi3Config(**_COMMON, tie_word_embeddings=False),
+    "olmo2-postnorm": Olmo2Config(**_COMMON, tie_word_embeddings=False),
+    "granite-multipliers": GraniteConfig(
+        **_COMMON,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+        tie_word_embeddings=False,
+    ),
+    "mixtral-moe": MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False
+    ),
+    # Layer 0 has experts, layer 1 a dense MLP; the chosen experts' weights are not renormalized.
+    "qwen3-moe": Qwen3MoeConfig(
+        **_COMMON,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+}
+
+# Configs outside the parity matrix, each with a test of its own: Long RoPE agrees with transformers only for
+# sequences past its original context (decoder.rotary_table says why).
+VARIANTS: dict[str, PretrainedConfig] = {
+    "phi3-longrope": Phi3Config(
+        **_COMMON,
+        tie_word_embeddings=False,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.0 + 0.7 * i for i in range(8)],
+        },
+    ),
 }
 
 
@@ -64,7 +108,8 @@ def make_model(
     overrides change the family's config (e.g. hidden_size, num_attention_heads for a head dim of 64).
     """
     torch.manual_seed(seed)
-    config = FAMILIES[family].__class__.from_dict({**FAMILIES[family].to_dict(), **overrides})
+    base = {**FAMILIES, **VARIANTS}[family]
+    config = base.__class__.from_dict({**base.to_dict(), **overrides})
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():

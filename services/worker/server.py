@@ -31,7 +31,7 @@ from services.worker.kv.base import KVCache
 from services.worker.kv.local import LocalKVCache
 from services.worker.kv.remote import DaemonError, DaemonKVCache
 from services.worker.metrics import instrument
-from services.worker.models import CausalLM
+from services.worker.models import load_model
 from services.worker.models.spec import ModelSpec
 from services.worker.service import SERVICE_NAME, WorkerService, worker_info
 
@@ -69,7 +69,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     device = torch.device(config.device)
     backend = kernel_backend(config, device)
     log.info("kernels: %s, on %d torch threads", backend.name, torch.get_num_threads())
-    model = CausalLM.from_pretrained(model_dir, dtype=config.torch_dtype, device=device, backend=backend)
+    model = load_model(model_dir, dtype=config.torch_dtype, device=device, backend=backend)
     spec = model.spec
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(config.torch_dtype).removeprefix("torch.")
@@ -100,7 +100,9 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         *(model_dir, spec.model_type, parameters, config.device, dtype_name, kv.num_pages - 1, where),
     )
     graphs = None
-    if device.type == "cuda" and config.cuda_graphs:
+    if device.type == "cuda" and config.cuda_graphs and not model.graph_safe:
+        log.info("no CUDA graphs: %s's experts run the torch reference, which syncs", spec.model_type)
+    elif device.type == "cuda" and config.cuda_graphs:
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()
     engine = Engine(EngineCore(model, kv, config.engine, graphs, _grammars(model_dir, spec)))

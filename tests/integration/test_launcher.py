@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -208,8 +209,10 @@ def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
 
 
-def test_a_random_qwen3_model_through_the_whole_stack(tmp_path: Path) -> None:
-    model_dir = make_model("qwen3-qknorm", tmp_path / "model")
+@pytest.mark.parametrize("family", ["qwen3-qknorm", "qwen3-moe"])
+def test_a_random_model_of_a_family_through_the_whole_stack(family: str, tmp_path: Path) -> None:
+    """Qwen3, and Qwen3-MoE (a layer of experts, then a dense one), token for token as transformers."""
+    model_dir = make_model(family, tmp_path / "model")
     stack = start_stack(tmp_path, "--model", str(model_dir), "--kv-memory", "64MiB")
     try:
         hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -231,3 +234,13 @@ def test_a_random_qwen3_model_through_the_whole_stack(tmp_path: Path) -> None:
             assert chat.usage.completion_tokens >= 1
     finally:
         assert stack.stop() == 0
+
+
+def test_a_model_of_an_unsupported_family_is_refused_at_load_naming_the_supported(tmp_path: Path) -> None:
+    model_dir = make_model("llama", tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    stack = launch_stack(tmp_path, "--model", str(model_dir), "--kv-memory", "64MiB", "--no-restart")
+    assert stack.proc.wait(timeout=120) == 1, stack.log()
+    assert "model_type 'gemma2' is not supported; pagedserve runs granite, llama, mistral" in stack.log()
+    assert "pagedserve is up" not in stack.log() and not stack.survivors()

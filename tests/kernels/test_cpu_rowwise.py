@@ -11,7 +11,7 @@ import torch
 
 from kernels.cpu_backend import CpuBackend, cpu_ops
 from kernels.torch_ref import TorchBackend
-from services.worker.models.llama import rotary_table
+from services.worker.models.decoder import rotary_table
 from tests.kernels.steps import llama_spec
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")

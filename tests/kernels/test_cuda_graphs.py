@@ -24,7 +24,7 @@ from services.worker.core.model_runner import StepInFlight
 from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import Sequence
 from services.worker.kv.local import LocalKVCache
-from services.worker.models import CausalLM
+from services.worker.models import load_model
 from tests.kernels.cases import DEVICE, assert_close, dtype_name, generator, randn, random_tables
 from tests.models import make_model
 from tests.pages import assert_pages_back
@@ -63,7 +63,7 @@ def test_decode_graphs_replay_the_eager_forward(
     backend: CupyBackend, graph_model_dir: Path, dtype: torch.dtype
 ) -> None:
     page_size = 16
-    model = CausalLM.from_pretrained(graph_model_dir, dtype=dtype, device=DEVICE, backend=backend)
+    model = load_model(graph_model_dir, dtype=dtype, device=DEVICE, backend=backend)
     spec = model.spec
     part = backend.tuning.min_partition
     # 3 sequences run on the graph of 4 (one padding row); then 4 other sequences on the same graph.
@@ -107,7 +107,7 @@ def test_decode_graphs_replay_the_eager_forward(
 def test_an_async_decode_step_launches_with_no_host_sync(backend: CupyBackend, graph_model_dir: Path) -> None:
     """Building a decode batch on the step in flight's tokens, the graph's replay and the draw never wait for
     the device; the tokens are those of steps run one by one."""
-    model = CausalLM.from_pretrained(graph_model_dir, dtype=torch.bfloat16, device=DEVICE, backend=backend)
+    model = load_model(graph_model_dir, dtype=torch.bfloat16, device=DEVICE, backend=backend)
     spec = model.spec
     shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16)
     options = SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -20,7 +20,7 @@ import torch
 from kernels import AttentionMetadata, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from kernels.tuning import Tuning
-from services.worker.models.llama import rotary_table
+from services.worker.models.decoder import rotary_table
 from tests.kernels.cases import (
     DEVICE,
     DTYPES,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from services.worker.models.llama import rotary_table
+from services.worker.models.decoder import rotary_table
 from tests.kernels.references import (
     BACKEND,
     DTYPES,

@@ -45,7 +45,7 @@ from services.worker.core.model_runner import StepInFlight
 from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import FinishReason, RequestOutput
 from services.worker.kv.local import LocalKVCache
-from services.worker.models import CausalLM
+from services.worker.models import CausalLM, load_model
 from tests.models import FAMILIES, VOCAB, make_model
 from tests.pages import assert_pages_back
 from tests.waiting import wait_until
@@ -56,7 +56,7 @@ from tests.waiting import wait_until
 def test_a_step_stuck_past_the_floor_is_reported_and_clears_when_it_ends(tmp_path: Path) -> None:
     folder = make_model("llama", tmp_path / "model")
     cpu = torch.device("cpu")
-    model = CausalLM.from_pretrained(folder, dtype=torch.float32, device=cpu, backend=TorchBackend())
+    model = load_model(folder, dtype=torch.float32, device=cpu, backend=TorchBackend())
     spec = model.spec
     kv = LocalKVCache(PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16), 64)
     core = EngineCore(model, kv, EngineConfig())
@@ -140,9 +140,7 @@ def backend(name: str) -> KernelBackend:
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name, kernels, scheduling = request.param
     folder = make_model(name, tmp_path_factory.mktemp(name))
-    model = CausalLM.from_pretrained(
-        folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels)
-    )
+    model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels))
     return Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), scheduling)
 
 
@@ -253,6 +251,22 @@ def test_stops_at_eos_unless_told_not_to(family: Family, check_pages: list[Engin
     assert outputs[-1].finish_reason is FinishReason.STOP
 
 
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_long_rope_past_the_original_context(
+    kernels: str, tmp_path: Path, check_pages: list[EngineCore]
+) -> None:
+    """Phi-3's long factors, for prompts longer than its original context of 64, alone and in one batch."""
+    folder = make_model("phi3-longrope", tmp_path)
+    model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels))
+    family = Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), "off")
+    batch = prompts(70, 100, 130, seed=7)
+    engine = family.engine(max_batched_tokens=128)
+    check_pages.append(engine)
+    outputs = run(engine, batch)
+    for key, prompt in enumerate(batch):
+        assert tokens(outputs[key]) == family.reference(prompt)[0], f"prompt {key} ({len(prompt)} tokens)"
+
+
 # A resumed request ------------------------------------------------------------------------------------------
 
 PROMPT = tuple(7 + (i * 37) % (VOCAB - 10) for i in range(21))
@@ -273,9 +287,7 @@ OPTIONS = {
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
     folder: Path = make_model("llama", tmp_path_factory.mktemp("llama"))
-    model = CausalLM.from_pretrained(
-        folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
-    )
+    model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend())
     spec = model.spec
     kv = LocalKVCache(PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 4), 128)
     return EngineCore(model, kv, EngineConfig(max_batched_tokens=64, max_num_seqs=8))
@@ -334,9 +346,7 @@ KINDS = {
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
     folder: Path = make_model("llama", tmp_path_factory.mktemp("llama"))
-    return CausalLM.from_pretrained(
-        folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend()
-    )
+    return load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend())
 
 
 def make_engine(model: CausalLM, scheduling: str, num_pages: int = 128, page_size: int = 4) -> EngineCore:

@@ -1,11 +1,13 @@
-"""The worker's own model code for the Llama family, run on the paged pool through a kernel backend.
+"""The worker's own model code, run on the paged pool through a kernel backend.
 
-`spec` reads a Hugging Face config into the few numbers the model needs; `weights` loads safetensors into
-fused matrices (QKV, gate-up); `llama` is the forward pass, which covers Llama 2/3, Mistral, Qwen2/2.5 (QKV
-bias), Qwen3 (Q/K norm) and SmolLM2 (tied embeddings).
+`spec` reads a Hugging Face config into the few numbers every family needs; `weights` loads safetensors
+into fused matrices (QKV, gate-up, stacked experts); `decoder` is the shared forward pass, which each family
+module (`llama`, `phi3`, `olmo2`, `granite`, `mixtral`, `qwen3_moe`) overrides where it differs; `registry`
+picks the family from the config.
 """
 
-from services.worker.models.llama import CausalLM
+from services.worker.models.decoder import CausalLM
+from services.worker.models.registry import SUPPORTED, load_model
 from services.worker.models.spec import ModelSpec
 
-__all__ = ["CausalLM", "ModelSpec"]
+__all__ = ["SUPPORTED", "CausalLM", "ModelSpec", "load_model"]

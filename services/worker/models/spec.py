@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
-
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+from transformers import GenerationConfig, PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -23,7 +21,7 @@ class ModelSpec:
     head_dim: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    qk_norm: bool  # Qwen3 normalizes each query and key head before rotary
+    qk_norm: bool  # queries and keys are normalized before rotary (Qwen3, OLMo 2)
     max_model_len: int  # positions the worker serves; a sliding window caps it, so full attention stays exact
     eos_token_ids: tuple[int, ...]
     hf_config: Any  # the transformers config, for rotary parameters
@@ -43,17 +41,9 @@ class ModelSpec:
         return self.num_layers * (attn + mlp) + embeddings
 
     @classmethod
-    def from_pretrained(cls, model_dir: Path) -> ModelSpec:
-        config = AutoConfig.from_pretrained(model_dir)
-        return cls.from_hf(config, _eos_token_ids(model_dir, config))
-
-    @classmethod
-    def from_hf(cls, config: PretrainedConfig, eos_token_ids: tuple[int, ...] = ()) -> ModelSpec:
-        if config.model_type not in SUPPORTED:
-            raise ValueError(
-                f"model_type {config.model_type!r} is not supported; pagedserve runs the Llama family: "
-                + ", ".join(SUPPORTED)
-            )
+    def from_hf(
+        cls, config: PretrainedConfig, eos_token_ids: tuple[int, ...] = (), *, qk_norm: bool = False
+    ) -> ModelSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         max_len = config.max_position_embeddings
         window = _sliding_window(config)
@@ -70,7 +60,7 @@ class ModelSpec:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qk_norm=config.model_type == "qwen3",
+            qk_norm=qk_norm,
             max_model_len=max_len,
             eos_token_ids=eos_token_ids,
             hf_config=config,
@@ -83,12 +73,14 @@ def _sliding_window(config: PretrainedConfig) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
-    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(
+        config, "use_sliding_window", False
+    ):
         return None
     return window
 
 
-def _eos_token_ids(model_dir: Path, config: PretrainedConfig) -> tuple[int, ...]:
+def eos_token_ids(model_dir: Path, config: PretrainedConfig) -> tuple[int, ...]:
     ids: list[int] = []
     sources: list[Any] = [getattr(config, "eos_token_id", None)]
     if (model_dir / "generation_config.json").exists():

@@ -1,12 +1,15 @@
 """Loading Hugging Face safetensors into the worker's fused weight layout.
 
 Q, K and V projections become one matrix, as do the MLP's gate and up projections, so that a layer runs
-four GEMMs instead of seven. Biases are kept wherever the checkpoint has them (Qwen2's QKV bias, Llama's
-optional attention and MLP biases).
+four GEMMs instead of seven; a checkpoint that fuses them already (Phi-3's `qkv_proj`, `gate_up_proj`) loads
+as it is. A mixture of experts' layer stacks its experts into [E, 2I, H] and [E, H, I], whichever names the
+checkpoint gives them (Mixtral's w1, w3, w2 under `block_sparse_moe`, Qwen3-MoE's gate, up and down under
+`mlp`). Biases and norms are kept wherever the checkpoint has them; the family says what each one means.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,21 +18,33 @@ from safetensors import safe_open
 
 from services.worker.models.spec import ModelSpec
 
+# Where a layer's experts sit, and each expert's gate, up and down projections.
+EXPERT_LAYOUTS = {"mlp.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.": ("w1", "w3", "w2")}
+
+
+@dataclass
+class Experts:
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2 I, H]
+    down: torch.Tensor  # [E, H, I]
+
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [H]
+    input_norm: torch.Tensor | None  # [H]; OLMo 2 has none
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # [D], Qwen3
+    q_norm: torch.Tensor | None  # [D] per head (Qwen3), or [Hq D] over the whole projection (OLMo 2)
     k_norm: torch.Tensor | None
     o: torch.Tensor  # [H, Hq D]
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
+    post_norm: torch.Tensor  # [H]: the checkpoint's post_attention_layernorm
+    post_mlp_norm: torch.Tensor | None  # [H]: post_feedforward_layernorm (OLMo 2)
+    gate_up: torch.Tensor | None  # [2 I, H]; None in a layer of experts
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [H, I]
+    down: torch.Tensor | None  # [H, I]
     down_bias: torch.Tensor | None
+    experts: Experts | None
 
 
 @dataclass
@@ -71,23 +86,31 @@ def weights_from_state_dict(
             raise KeyError(f"the checkpoint has some but not all of {names}")
         return torch.cat(parts)  # type: ignore[arg-type]
 
+    def projection(prefix: str, parts: tuple[str, ...], whole: str, suffix: str) -> torch.Tensor | None:
+        separate = fused(*(f"{prefix}{part}.{suffix}" for part in parts))
+        return separate if separate is not None else maybe(f"{prefix}{whole}.{suffix}")
+
     layers = []
     for i in range(spec.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layer, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv_parts, gate_up_parts = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+        gate_up = projection(mlp, gate_up_parts, "gate_up_proj", "weight")
         layers.append(
             LayerWeights(
-                input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=fused(f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),  # type: ignore[arg-type]
-                qkv_bias=fused(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
+                input_norm=maybe(f"{layer}input_layernorm.weight"),
+                qkv=_required(projection(attn, qkv_parts, "qkv_proj", "weight"), f"{attn}q_proj.weight"),
+                qkv_bias=projection(attn, qkv_parts, "qkv_proj", "bias"),
                 q_norm=maybe(f"{attn}q_norm.weight"),
                 k_norm=maybe(f"{attn}k_norm.weight"),
                 o=take(f"{attn}o_proj.weight"),
                 o_bias=maybe(f"{attn}o_proj.bias"),
-                post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=fused(f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),  # type: ignore[arg-type]
-                gate_up_bias=fused(f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias"),
-                down=take(f"{mlp}down_proj.weight"),
+                post_norm=take(f"{layer}post_attention_layernorm.weight"),
+                post_mlp_norm=maybe(f"{layer}post_feedforward_layernorm.weight"),
+                gate_up=gate_up,
+                gate_up_bias=projection(mlp, gate_up_parts, "gate_up_proj", "bias"),
+                down=take(f"{mlp}down_proj.weight") if gate_up is not None else None,
                 down_bias=maybe(f"{mlp}down_proj.bias"),
+                experts=None if gate_up is not None else _experts(layer, take, maybe),
             )
         )
         if spec.qk_norm and layers[-1].q_norm is None:
@@ -103,3 +126,30 @@ def weights_from_state_dict(
     if leftover:
         raise KeyError(f"the checkpoint has tensors this model does not use: {leftover[:5]}")
     return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def _experts(
+    layer: str,
+    take: Callable[[str], torch.Tensor],
+    maybe: Callable[[str], torch.Tensor | None],
+) -> Experts:
+    """A layer's router and its experts, stacked; KeyError when the layer has neither an MLP nor experts."""
+    for block, (gate, up, down) in EXPERT_LAYOUTS.items():
+        router = maybe(f"{layer}{block}gate.weight")
+        if router is None:
+            continue
+        names = [f"{layer}{block}experts.{e}." for e in range(router.shape[0])]
+        return Experts(
+            router=router,
+            gate_up=torch.stack(
+                [torch.cat((take(f"{n}{gate}.weight"), take(f"{n}{up}.weight"))) for n in names]
+            ),
+            down=torch.stack([take(f"{n}{down}.weight") for n in names]),
+        )
+    raise KeyError(f"the checkpoint has no {layer}mlp.gate_proj.weight, nor a router for experts")
+
+
+def _required(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
+    if tensor is None:
+        raise KeyError(f"the checkpoint has no tensor {name!r}")
+    return tensor

@@ -1,0 +1,57 @@
+"""Which family's code runs a model: its config.json's `model_type`, checked against `architectures`.
+
+A family is one module holding a `CausalLM` subclass; adding one is that module, a line in FAMILIES, and a
+random model of it in tests/models.py, which the engine's parity tests then run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from kernels.backend import KernelBackend
+from services.worker.models.decoder import CausalLM
+from services.worker.models.granite import Granite
+from services.worker.models.llama import Llama, Qwen3
+from services.worker.models.mixtral import Mixtral
+from services.worker.models.olmo2 import Olmo2
+from services.worker.models.phi3 import Phi3
+from services.worker.models.qwen3_moe import Qwen3Moe
+from services.worker.models.spec import ModelSpec, eos_token_ids
+from services.worker.models.weights import load_weights
+
+FAMILIES: tuple[type[CausalLM], ...] = (Llama, Qwen3, Phi3, Olmo2, Granite, Mixtral, Qwen3Moe)
+BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+SUPPORTED = tuple(sorted(BY_MODEL_TYPE))
+
+
+def family_of(config: PretrainedConfig) -> type[CausalLM]:
+    """The family that runs config; ValueError, naming what is supported, when none does."""
+    family = BY_MODEL_TYPE.get(config.model_type)
+    if family is None:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; pagedserve runs " + ", ".join(SUPPORTED)
+        )
+    heads = [
+        name for name in getattr(config, "architectures", None) or [] if not name.endswith("ForCausalLM")
+    ]
+    if heads:
+        raise ValueError(f"{', '.join(heads)} is not a causal language model; pagedserve serves *ForCausalLM")
+    family.check(config)
+    return family
+
+
+def spec_of(config: PretrainedConfig, eos: tuple[int, ...] = ()) -> ModelSpec:
+    return ModelSpec.from_hf(config, eos, qk_norm=family_of(config).qk_norm)
+
+
+def load_model(
+    model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: KernelBackend
+) -> CausalLM:
+    """The model in model_dir (config.json and safetensors), on device, through backend."""
+    config = AutoConfig.from_pretrained(model_dir)
+    family = family_of(config)
+    spec = ModelSpec.from_hf(config, eos_token_ids(model_dir, config), qk_norm=family.qk_norm)
+    return family(spec, load_weights(model_dir, spec, dtype, device), backend)

@@ -1,0 +1,84 @@
+"""The model registry (services.worker.models.registry): which family runs a config, and what is refused at
+load with a message that says why. Each family's parity with transformers is in test_engine."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import TorchBackend
+from services.worker.models import SUPPORTED, load_model
+from services.worker.models.granite import Granite
+from services.worker.models.mixtral import Mixtral
+from services.worker.models.olmo2 import Olmo2
+from services.worker.models.qwen3_moe import Qwen3Moe
+from tests.models import make_model
+
+CPU = torch.device("cpu")
+
+
+def load(folder: Path, **changes: object) -> object:
+    """load_model on folder, with changes made to its config.json first."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return load_model(folder, dtype=torch.float32, device=CPU, backend=TorchBackend())
+
+
+@pytest.fixture
+def llama(tmp_path: Path) -> Path:
+    return make_model("llama", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("family", "cls"),
+    [
+        ("granite-multipliers", Granite),
+        ("olmo2-postnorm", Olmo2),
+        ("mixtral-moe", Mixtral),
+        ("qwen3-moe", Qwen3Moe),
+    ],
+)
+def test_the_config_picks_the_family(family: str, cls: type, tmp_path: Path) -> None:
+    assert type(load(make_model(family, tmp_path))) is cls
+
+
+def test_an_unknown_model_type_is_refused_naming_every_supported_one(llama: Path) -> None:
+    with pytest.raises(ValueError) as refused:
+        load(llama, model_type="gemma2")
+    assert (
+        str(refused.value) == f"model_type 'gemma2' is not supported; pagedserve runs {', '.join(SUPPORTED)}"
+    )
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused(llama: Path) -> None:
+    with pytest.raises(ValueError, match="LlamaForSequenceClassification is not a causal language model"):
+        load(llama, architectures=["LlamaForSequenceClassification"])
+
+
+def test_rotary_this_code_does_not_compute_is_refused(llama: Path) -> None:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="partial_rotary_factor below 1 is not supported"):
+        load(llama, rope_parameters=rope)
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        load(llama, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+
+
+def test_experts_where_the_config_puts_none_are_refused(tmp_path: Path) -> None:
+    folder = make_model("qwen3-moe", tmp_path)  # experts in layer 0 alone
+    with pytest.raises(ValueError, match=r"experts in layers \[0\], its config in layers \[0, 1\]"):
+        load(folder, mlp_only_layers=[])
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(tmp_path: Path) -> None:
+    folder = make_model("mixtral-moe", tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    missing = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    del tensors[missing]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=re.escape(f"no tensor {missing!r}")):
+        load(folder)
