@@ -48,6 +48,22 @@ class AttentionMetadata:
         return max(self.seq_lens_host, default=0)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes: softmax(q k^T scale) v, with these variations."""
+
+    scale: float
+    window: int = (
+        0  # > 0: each query sees its own token and the window - 1 before it (a sliding-window layer)
+    )
+    softcap: float = 0.0  # > 0: scores become softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None  # [Hq]: a logit per query head in its softmax's denominator (gpt-oss)
+
+    @property
+    def plain(self) -> bool:
+        return self.window == 0 and self.softcap == 0 and self.sinks is None
+
+
 class KernelBackend(Protocol):
     name: str
 
@@ -57,11 +73,13 @@ class KernelBackend(Protocol):
         """Store k, v [T, Hkv, D] into kv_layer [2, P, B, Hkv, D] at slot_mapping [T]."""
 
     def paged_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
     ) -> torch.Tensor:
-        """Causal attention of q [T, Hq, D] over each sequence's cached KV; returns [T, Hq, D].
+        """Causal attention of q [T, Hq, D] over each sequence's cached KV, as `layer` says; returns
+        [T, Hq, D].
 
-        The KV of this step's tokens must already be written. Hq is a multiple of Hkv (GQA).
+        The KV of this step's tokens must already be written. Hq is a multiple of Hkv (GQA). With a window,
+        the pages wholly before it are not read (they may be gone back to the pool).
         """
 
     def rms_norm(

@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.backend import AttentionMetadata
+from kernels.backend import AttentionMetadata, LayerAttention
 from kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.paths import cache_dir
 
@@ -231,13 +231,15 @@ class CpuBackend(TorchBackend):
         return self._ops.skinny_linear(x, weight, bias)
 
     def _decode_all(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
     ) -> torch.Tensor:
         if not _ours(q):
-            return super()._decode_all(q, kv_layer, meta, scale)
+            return super()._decode_all(q, kv_layer, meta, layer)
         n = q.shape[0]
+        tables, lens = meta.block_tables[:n], meta.seq_lens[:n]
+        sinks = None if layer.sinks is None else layer.sinks.float()
         return self._ops.paged_decode(
-            q.contiguous(), kv_layer, meta.block_tables[:n], meta.seq_lens[:n], scale
+            q.contiguous(), kv_layer, tables, lens, layer.scale, layer.window, layer.softcap, sinks
         )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata
+from kernels.backend import AttentionMetadata, LayerAttention
 
 # What one more decode group costs a layer (its gather, mask and attention calls), in padded token slots
 # that it saves from being gathered and attended to: about 5 ms a step against 14 us a slot on this CPU.
@@ -83,32 +83,32 @@ class TorchBackend:
             half.index_copy_(0, safe, torch.where(keep, new, half.index_select(0, safe)))
 
     def paged_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
-            out[:n] = self._decode_all(q[:n], kv_layer, meta, scale)
+            out[:n] = self._decode_all(q[:n], kv_layer, meta, layer)
         for s in range(n, meta.num_seqs):
             start, end = meta.query_start_host[s], meta.query_start_host[s + 1]
             out[start:end] = self._prefill(
-                q[start:end], kv_layer, meta.block_tables[s], meta.seq_lens_host[s], scale
+                q[start:end], kv_layer, meta.block_tables[s], meta.seq_lens_host[s], layer
             )
         return out
 
     def _decode_all(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
     ) -> torch.Tensor:
         """Attention for the step's decodes, the first meta.num_decodes sequences: q [n, Hq, D]."""
         n = q.shape[0]
         if q.is_cuda:  # one group, padded to decode_max_len, which CUDA graphs fix
             return self._decode(
-                q, kv_layer, meta.block_tables[:n], meta.seq_lens[:n], meta.decode_max_len, scale
+                q, kv_layer, meta.block_tables[:n], meta.seq_lens[:n], meta.decode_max_len, layer
             )
         out = torch.empty_like(q)
         for rows, max_len in self._decode_groups(meta, kv_layer.shape[2]):
             out[rows] = self._decode(
-                q[rows], kv_layer, meta.block_tables[rows], meta.seq_lens[rows], max_len, scale
+                q[rows], kv_layer, meta.block_tables[rows], meta.seq_lens[rows], max_len, layer
             )
         return out
 
@@ -165,26 +165,37 @@ class TorchBackend:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         max_len: int,
-        scale: float,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         seqs, q_heads, head_dim = q.shape
         page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
         k, v = self._gather(kv_layer, block_tables[:, : -(-max_len // page_size)])  # [S, L, Hkv, D]
-        valid = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # [S, L]
+        key_pos = torch.arange(k.shape[1], device=q.device)
+        valid = key_pos < seq_lens[:, None]  # [S, L]
+        if layer.window:
+            valid &= key_pos >= seq_lens[:, None] - layer.window
         _zero_stale_tail(k, v, seq_lens, page_size)
         # One query token each: the query heads that share a KV head form a short "sequence" of queries
         # against it, which needs no GQA expansion of K and V.
-        out = F.scaled_dot_product_attention(
-            q.view(seqs, kv_heads, q_heads // kv_heads, head_dim),
+        group = q_heads // kv_heads
+        sinks = None if layer.sinks is None else layer.sinks.view(1, kv_heads, group, 1)
+        out = _attend(
+            q.view(seqs, kv_heads, group, head_dim),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
+            valid[:, None, None, :],
+            layer,
+            sinks,
         )
         return out.reshape(seqs, q_heads, head_dim)  # CUDA fp32 SDPA may return it non-contiguous
 
     def _prefill(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         n, q_heads, head_dim = q.shape
         page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
@@ -195,13 +206,41 @@ class TorchBackend:
         v = v[:seq_len].transpose(0, 1).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim)
         queries = q.view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         cached = seq_len - n
-        if cached == 0:
-            out = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale)
+        if cached == 0 and layer.plain:
+            out = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=layer.scale)
         else:
-            query_pos = torch.arange(cached, seq_len, device=q.device)
-            causal = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [n, L]
-            out = F.scaled_dot_product_attention(queries, k, v, attn_mask=causal, scale=scale)
+            query_pos = torch.arange(cached, seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(seq_len, device=q.device)[None, :]
+            visible = key_pos <= query_pos  # [n, L]
+            if layer.window:
+                visible &= key_pos > query_pos - layer.window
+            sinks = None if layer.sinks is None else layer.sinks.view(kv_heads, group, 1, 1)
+            out = _attend(queries, k, v, visible, layer, sinks)
         return out.permute(2, 0, 1, 3).reshape(n, q_heads, head_dim)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    layer: LayerAttention,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """softmax(scores) v over the keys mask lets through, with scores = q k^T scale, softcapped, and sinks
+    (shaped to broadcast over the scores' leading dimensions) in each softmax's denominator."""
+    if layer.softcap == 0 and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * layer.scale
+    if layer.softcap:
+        scores = layer.softcap * torch.tanh(scores / layer.softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    probs = scores.softmax(dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def group_by_length(lengths: Sequence[int], page_size: int, group_cost: int) -> list[list[int]]:

@@ -14,6 +14,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -68,6 +70,27 @@ FAMILIES: dict[str, PretrainedConfig] = {
         logits_scaling=2.0,
         tie_word_embeddings=False,
     ),
+    # Windows shorter than most test prompts; softcaps low enough to bend the scores and the logits.
+    "gemma2-softcap": Gemma2Config(
+        **_COMMON,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=24,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0,
+    ),
+    "gemma3-local-global": Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
+    ),
+    "mistral-window": MistralConfig(**_COMMON, sliding_window=28),
     "mixtral-moe": MixtralConfig(
         **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False
     ),

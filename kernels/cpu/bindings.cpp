@@ -6,7 +6,8 @@
 #include <tuple>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale);
+                           torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                           std::optional<torch::Tensor> sinks);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                    std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,

@@ -209,13 +209,14 @@ def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
 
 
-@pytest.mark.parametrize("family", ["qwen3-qknorm", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen3-qknorm", "qwen3-moe", "gemma2-softcap"])
 def test_a_random_model_of_a_family_through_the_whole_stack(family: str, tmp_path: Path) -> None:
-    """Qwen3, and Qwen3-MoE (a layer of experts, then a dense one), token for token as transformers."""
+    """Qwen3, Qwen3-MoE (a layer of experts, then a dense one) and Gemma 2 (a sliding window of 24, then a
+    full layer; softcaps), token for token as transformers, prompts shorter and longer than the window."""
     model_dir = make_model(family, tmp_path / "model")
     stack = start_stack(tmp_path, "--model", str(model_dir), "--kv-memory", "64MiB")
     try:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
         with grpc.insecure_channel(stack.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             for length in (3, 40):
@@ -239,8 +240,8 @@ def test_a_random_model_of_a_family_through_the_whole_stack(family: str, tmp_pat
 def test_a_model_of_an_unsupported_family_is_refused_at_load_naming_the_supported(tmp_path: Path) -> None:
     model_dir = make_model("llama", tmp_path / "model")
     config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "cohere"}))
     stack = launch_stack(tmp_path, "--model", str(model_dir), "--kv-memory", "64MiB", "--no-restart")
     assert stack.proc.wait(timeout=120) == 1, stack.log()
-    assert "model_type 'gemma2' is not supported; pagedserve runs granite, llama, mistral" in stack.log()
+    assert "model_type 'cohere' is not supported; pagedserve runs gemma2, gemma3_text, granite" in stack.log()
     assert "pagedserve is up" not in stack.log() and not stack.survivors()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import AttentionMetadata, TorchBackend, cuda_ops
+from kernels import AttentionMetadata, LayerAttention, TorchBackend, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from tests.devices import kernel_device
 from tests.kernels.steps import Chunk, dtype_name, generator, make_metadata, slots_of
@@ -152,9 +152,9 @@ def run_attention(case: AttentionCase, backend: CupyBackend) -> tuple[torch.Tens
     the reference on the clean one. Returns (actual, expected)."""
     q, k, v, meta = case.fused.q, case.fused.k, case.fused.v, case.meta
     REFERENCE.write_kv(case.clean, k, v, meta.slot_mapping)
-    expected = REFERENCE.paged_attention(q, case.clean, meta, case.scale)
+    expected = REFERENCE.paged_attention(q, case.clean, meta, LayerAttention(case.scale))
     backend.write_kv(case.poisoned, k, v, meta.slot_mapping)
-    actual = backend.paged_attention(q, case.poisoned, meta, case.scale)
+    actual = backend.paged_attention(q, case.poisoned, meta, LayerAttention(case.scale))
     return actual, expected
 
 

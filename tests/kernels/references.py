@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import TorchBackend
+from kernels import LayerAttention, TorchBackend
 from tests.kernels.steps import Chunk, dtype_name
 
 PAGE_SIZES = (8, 16, 32)
@@ -83,6 +83,22 @@ def poison_pages(kv_layer: torch.Tensor, pages: Sequence[int]) -> None:
     kv_layer[:, list(pages)] = float("nan")
 
 
+def varied_layers(gen: torch.Generator, scale: float, q_heads: int, window: int) -> dict[str, LayerAttention]:
+    """A layer of each kind: windowed, softcapped (Gemma 2), with sinks (gpt-oss), and all three at once."""
+    sinks = torch.randn(q_heads, generator=gen) * 2
+    return {
+        "window": LayerAttention(scale, window=window),
+        "softcap": LayerAttention(scale, softcap=5.0),
+        "sinks": LayerAttention(scale, sinks=sinks),
+        "all": LayerAttention(scale, window=window, softcap=5.0, sinks=sinks),
+    }
+
+
+def null_before(pages: tuple[int, ...], first: int, page_size: int) -> tuple[int, ...]:
+    """The block table with the null page for each page wholly before position `first`."""
+    return tuple(0 if (i + 1) * page_size <= first else page for i, page in enumerate(pages))
+
+
 def unowned_pages(tables: Sequence[Sequence[int]]) -> list[int]:
     """Every page but the null page and the ones in these block tables."""
     owned = {page for table in tables for page in table}
@@ -102,18 +118,32 @@ def gather_kv(kv_layer: torch.Tensor, pages: Sequence[int], length: int) -> tupl
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int] | range, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Sequence[int] | range,
+    scale: float,
+    layer: LayerAttention | None = None,
 ) -> torch.Tensor:
-    """q [n, Hq, D] at these positions, k and v [L, Hkv, D]: each query attends to keys 0..its position.
+    """q [n, Hq, D] at these positions, k and v [L, Hkv, D]: each query attends to keys 0..its position, or
+    to the last layer.window of them; scores softcapped where layer.softcap, and each head's sink logit
+    in the softmax's denominator where layer.sinks.
 
     Query head h reads KV head h // (Hq / Hkv). Returns float64 [n, Hq, D].
     """
+    layer = layer or LayerAttention(scale)
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, position in enumerate(positions):
-        scores = torch.einsum("hd,lhd->hl", q[i], k[: position + 1]) * scale
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[: position + 1])
+        first = max(0, position + 1 - layer.window) if layer.window else 0
+        scores = torch.einsum("hd,lhd->hl", q[i], k[first : position + 1]) * scale
+        if layer.softcap:
+            scores = layer.softcap * torch.tanh(scores / layer.softcap)
+        if layer.sinks is not None:
+            scores = torch.cat((scores, layer.sinks.double()[:, None]), dim=1)
+        weights = scores.softmax(dim=-1)[:, : position + 1 - first]
+        out[i] = torch.einsum("hl,lhd->hd", weights, v[first : position + 1])
     return out
 
 
@@ -124,6 +154,7 @@ def chunk_reference(
     kv_before: torch.Tensor,
     chunks: Sequence[Chunk],
     scale: float,
+    layer: LayerAttention | None = None,
 ) -> torch.Tensor:
     """Each chunk's attention over its prefix, read from the pool as it was before the step, and over the
     new K and V it brings (rows of q, k_new, v_new in chunk order)."""
@@ -133,7 +164,7 @@ def chunk_reference(
         k_prefix, v_prefix = gather_kv(kv_before, chunk.pages, chunk.start)
         k = torch.cat((k_prefix, k_new[rows].double()))
         v = torch.cat((v_prefix, v_new[rows].double()))
-        outputs.append(attention_reference(q[rows], k, v, chunk.positions, scale))
+        outputs.append(attention_reference(q[rows], k, v, chunk.positions, scale, layer))
         row += chunk.count
     return torch.cat(outputs)
 

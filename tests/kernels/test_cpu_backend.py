@@ -13,16 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.backend import LayerAttention
 from kernels.cpu_backend import CpuBackend, cpu_ops
 from kernels.torch_ref import TorchBackend
 from tests.kernels.references import (
     KV_HEADS,
     fused_qkv,
+    null_before,
     poison_pages,
     poison_slots,
     random_pool,
     random_tables,
     unowned_pages,
+    varied_layers,
 )
 from tests.kernels.steps import Chunk, generator, make_metadata
 
@@ -49,8 +52,8 @@ def run_both(
     meta = make_metadata(chunks[: len(lengths)], chunks[len(lengths) :], page_size)
     scale = head_dim**-0.5
     assert OPS is not None
-    reference = TorchBackend().paged_attention(q, kv_layer.clone(), meta, scale)
-    return CpuBackend(OPS).paged_attention(q, kv_layer, meta, scale), reference
+    reference = TorchBackend().paged_attention(q, kv_layer.clone(), meta, LayerAttention(scale))
+    return CpuBackend(OPS).paged_attention(q, kv_layer, meta, LayerAttention(scale)), reference
 
 
 @pytest.mark.parametrize(("page_size", "head_dim", "group"), CASES)
@@ -69,12 +72,48 @@ def test_decodes_far_apart_in_length_beside_a_prefill_chunk() -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("page_size", (8, 16))
+def test_windows_softcaps_and_sinks_match_the_reference_and_read_nothing_before_the_window(
+    page_size: int, kind: str
+) -> None:
+    gen = generator(13 + page_size)
+    head_dim, group, window = 64, 3, 2 * page_size + 3
+    lengths = [1, window - 1, window, 5 * page_size + 4, 9 * page_size]
+    tables = random_tables(gen, lengths, page_size)
+    kv_layer = random_pool(gen, page_size, head_dim, torch.float32)[0]
+    layer = varied_layers(gen, head_dim**-0.5, group * KV_HEADS, window)[kind]
+    q, _, _ = fused_qkv(gen, len(lengths), group * KV_HEADS, head_dim, torch.float32)
+    reference_tables = tables
+    if layer.window:  # the reference reads the null page there, as the engine leaves it once freed
+        reference_tables = [
+            null_before(t, n - window, page_size) for t, n in zip(tables, lengths, strict=True)
+        ]
+    poisoned = kv_layer.clone()
+    poison_pages(poisoned, unowned_pages(reference_tables))
+    for table, n in zip(tables, lengths, strict=True):
+        poison_slots(poisoned, table, range(n, len(table) * page_size))
+        if layer.window:
+            poison_slots(poisoned, table, range(max(0, n - window)))
+    decodes = [Chunk(t, n - 1, 1) for t, n in zip(tables, lengths, strict=True)]
+    expected_decodes = [Chunk(t, n - 1, 1) for t, n in zip(reference_tables, lengths, strict=True)]
+    assert OPS is not None
+
+    actual = CpuBackend(OPS).paged_attention(q, poisoned, make_metadata(decodes, [], page_size), layer)
+    expected = TorchBackend().paged_attention(
+        q, kv_layer, make_metadata(expected_decodes, [], page_size), layer
+    )
+
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:
     kv_layer = torch.zeros(2, 4, 8, 1, 16)
     q = torch.zeros(1, 1, 16)
     assert OPS is not None
     with pytest.raises(RuntimeError, match="outside the pool"):
-        OPS.paged_decode(q, kv_layer, torch.tensor([[9]]), torch.tensor([3]), 1.0)
+        OPS.paged_decode(q, kv_layer, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None)
 
 
 def test_one_sequence_alone_splits_its_heads_across_threads() -> None:

@@ -60,6 +60,9 @@ def decode_args() -> Args:
         "block_tables": torch.zeros(T, 3, dtype=torch.int64),
         "seq_lens": torch.ones(T, dtype=torch.int64),
         "scale": 1.0,
+        "window": 0,
+        "softcap": 0.0,
+        "sinks": torch.zeros(HQ),
     }
 
 
@@ -166,6 +169,8 @@ CASES: list[tuple[str, Args, str]] = [
         r"seq_lens must be \[5\], not \[4\]",
     ),
     ("paged_decode", {"seq_lens": torch.ones(T, dtype=I32)}, r"seq_lens must be int64, not int32"),
+    ("paged_decode", {"sinks": torch.zeros(HQ + 1)}, r"sinks must be \[6\], not \[7\]"),
+    ("paged_decode", {"sinks": torch.zeros(HQ, dtype=F64)}, r"sinks must be float32, not float64"),
 ]
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kernels.backend import LayerAttention
 from kernels.torch_ref import GROUP_COST_SLOTS, group_by_length
 from tests.kernels.references import (
     ATTENTION_CASES,
@@ -32,11 +33,13 @@ from tests.kernels.references import (
     dtype_name,
     fused_qkv,
     gather_kv,
+    null_before,
     poison_pages,
     poison_slots,
     random_pool,
     random_tables,
     unowned_pages,
+    varied_layers,
 )
 from tests.kernels.steps import Chunk, generator, make_metadata
 
@@ -95,7 +98,7 @@ def check_decodes(
     decodes = [Chunk(table, n - 1, 1) for table, n in zip(tables, lengths, strict=True)]
     scale = head_dim**-0.5
 
-    out = BACKEND.paged_attention(q, kv_layer, make_metadata(decodes, [], page_size), scale)
+    out = BACKEND.paged_attention(q, kv_layer, make_metadata(decodes, [], page_size), LayerAttention(scale))
 
     for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         k, v = gather_kv(kv_layer, table, n)
@@ -161,7 +164,7 @@ def test_decode_attention_with_a_graph_bound(page_size: int, dtype: torch.dtype)
     meta = make_metadata(decodes, [], page_size, decode_max_len=NUM_PAGES * page_size)
     scale = head_dim**-0.5
 
-    out = BACKEND.paged_attention(q, kv_layer, meta, scale)
+    out = BACKEND.paged_attention(q, kv_layer, meta, LayerAttention(scale))
 
     for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         k, v = gather_kv(kv_layer, table, n)
@@ -187,7 +190,7 @@ def test_decode_attention_ignores_slots_past_the_end(dtype: torch.dtype) -> None
     decodes = [Chunk(table, n - 1, 1) for table, n in zip(tables, lengths, strict=True)]
     scale = head_dim**-0.5
 
-    out = BACKEND.paged_attention(q, kv_layer, make_metadata(decodes, [], page_size), scale)
+    out = BACKEND.paged_attention(q, kv_layer, make_metadata(decodes, [], page_size), LayerAttention(scale))
 
     k, v = gather_kv(kv_layer, tables[0], lengths[0])
     assert_close(out[:1], attention_reference(q[:1], k, v, [lengths[0] - 1], scale), dtype)
@@ -212,7 +215,7 @@ def test_prefill_attention_over_a_cached_prefix(
     scale = head_dim**-0.5
 
     BACKEND.write_kv(kv_layer, k, v, meta.slot_mapping)  # as the model does: this step's KV first
-    out = BACKEND.paged_attention(q, kv_layer, meta, scale)
+    out = BACKEND.paged_attention(q, kv_layer, meta, LayerAttention(scale))
 
     assert_close(out, chunk_reference(q, k, v, kv_before, chunks, scale), dtype)
 
@@ -242,6 +245,36 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(page_size: int, group: int, d
     scale = head_dim**-0.5
 
     BACKEND.write_kv(kv_layer, k, v, meta.slot_mapping)
-    out = BACKEND.paged_attention(q, kv_layer, meta, scale)
+    out = BACKEND.paged_attention(q, kv_layer, meta, LayerAttention(scale))
 
     assert_close(out, chunk_reference(q, k, v, kv_before, [*decodes, *chunks], scale), dtype)
+
+
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_windows_softcaps_and_sinks_in_a_mixed_batch(page_size: int, dtype: torch.dtype, kind: str) -> None:
+    """Decodes and prefill chunks, some longer than the window, some over a cached prefix; the pages wholly
+    before each sequence's window are the null page's, as the scheduler leaves them once it frees them."""
+    gen = generator(8)
+    head_dim, group, window = 64, 3, page_size + 5
+    decode_lengths = [1, window, 3 * page_size + 2]
+    prefills = [(0, 2 * page_size + 3), (2 * page_size + 1, 6)]  # (cached, new)
+    lengths = decode_lengths + [start + count for start, count in prefills]
+    tables = random_tables(gen, lengths, page_size)
+    decodes = [Chunk(table, n - 1, 1) for table, n in zip(tables[:3], decode_lengths, strict=True)]
+    chunks = [Chunk(table, start, count) for table, (start, count) in zip(tables[3:], prefills, strict=True)]
+    kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
+    kv_before = kv_layer.clone()
+    tokens = len(decodes) + sum(chunk.count for chunk in chunks)
+    q, k, v = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype)
+    layer = varied_layers(gen, head_dim**-0.5, group * KV_HEADS, window)[kind]
+    expected = chunk_reference(q, k, v, kv_before, [*decodes, *chunks], layer.scale, layer)
+    if layer.window:  # gone before the window of the sequence's first query this step
+        decodes = [Chunk(null_before(c.pages, c.start + 1 - window, page_size), c.start, 1) for c in decodes]
+    meta = make_metadata(decodes, chunks, page_size)
+
+    BACKEND.write_kv(kv_layer, k, v, meta.slot_mapping)
+    out = BACKEND.paged_attention(q, kv_layer, meta, layer)
+
+    assert_close(out, expected, dtype, kind)

@@ -6,7 +6,8 @@ Sections:
 - The thread facade: a step that runs far longer than the steps before it counts as stuck.
 - Parity with transformers: token-for-token greedy parity and close logprobs. Every supported family runs
   as a small random model: alone, in a batch of different prompt lengths with chunked prefill, through
-  preemption in a pool too small for the batch, and from the prefix cache; each with steps run one by one,
+  preemption in a pool too small for the batch, from the prefix cache, and resumed with the tokens it had
+  before a failover; each with steps run one by one,
   and with async scheduling (the next step launched before this one's tokens are on the host). After each
   run every page is free or cached.
 - A resumed request: one resumed with the tokens it generated elsewhere (a failover) goes on exactly as if
@@ -141,7 +142,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name, kernels, scheduling = request.param
     folder = make_model(name, tmp_path_factory.mktemp(name))
     model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels))
-    return Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), scheduling)
+    return Family(
+        model, AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), scheduling
+    )
 
 
 def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
@@ -196,7 +199,9 @@ def test_batch_of_different_lengths_with_chunked_prefill(
 
 def test_preemption_by_recompute(family: Family, check_pages: list[EngineCore]) -> None:
     batch = prompts(30, 33, 36, seed=2)  # each ends near 60 tokens: 4 pages of 16; the pool has 9
-    engine = family.engine(num_pages=10, max_batched_tokens=128)
+    # A model whose every layer slides holds at most 3 of them a sequence: the pool has 5.
+    windowed = all(family.model.spec.windows)
+    engine = family.engine(num_pages=6 if windowed else 10, max_batched_tokens=128)
     check_pages.append(engine)
     outputs = run(engine, batch)
     assert engine.scheduler.preemptions > 0
@@ -251,6 +256,19 @@ def test_stops_at_eos_unless_told_not_to(family: Family, check_pages: list[Engin
     assert outputs[-1].finish_reason is FinishReason.STOP
 
 
+def test_a_request_resumed_after_a_failover_goes_on_exactly(
+    family: Family, check_pages: list[EngineCore]
+) -> None:
+    """What a worker does for a request the frontend moves to it: the tokens so far come with it."""
+    (prompt,) = prompts(40, seed=9)
+    expected = family.reference(prompt)[0]
+    engine = family.engine()
+    check_pages.append(engine)
+    resumed = EngineRequest(tuple(prompt), GREEDY, generated=tuple(expected[:9]))
+    engine.add(engine.new_sequence(0, resumed))
+    assert tokens(engine.run_until_done()) == expected[9:]
+
+
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
 def test_long_rope_past_the_original_context(
     kernels: str, tmp_path: Path, check_pages: list[EngineCore]
@@ -265,6 +283,30 @@ def test_long_rope_past_the_original_context(
     outputs = run(engine, batch)
     for key, prompt in enumerate(batch):
         assert tokens(outputs[key]) == family.reference(prompt)[0], f"prompt {key} ({len(prompt)} tokens)"
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("scheduling", ["off", "on"])
+def test_a_sliding_window_model_gives_back_the_pages_before_its_window(
+    kernels: str, scheduling: Literal["on", "off"], tmp_path: Path, check_pages: list[EngineCore]
+) -> None:
+    """Every layer of mistral-window sees 28 tokens: decoding to 220 tokens, a sequence holds 3 pages of 16
+    at most (the window's, and the one its next token goes to), not 14, and its tokens stay transformers'.
+    (A prefill chunk holds its own pages too, beside the window's.)"""
+    folder = make_model("mistral-window", tmp_path)
+    model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels))
+    family = Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), scheduling)
+    (prompt,) = prompts(196, seed=8)
+    engine = family.engine(max_batched_tokens=64)
+    check_pages.append(engine)
+    engine.add(engine.new_sequence(0, EngineRequest(tuple(prompt), GREEDY)))
+    outputs, held = [], []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        held += [len(seq.held_pages) for seq in engine.scheduler.running if seq.num_computed > len(prompt)]
+    assert tokens(outputs) == family.reference(prompt)[0]
+    assert max(held) <= 3 < -(-(196 + NEW_TOKENS) // 16)
+    assert engine.scheduler.running == [] and engine.kv_slots() == (0, 0)
 
 
 # A resumed request ------------------------------------------------------------------------------------------

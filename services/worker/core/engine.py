@@ -71,6 +71,7 @@ class EngineCore:
             prefix_caching=config.prefix_caching,
             eos_token_ids=spec.eos_token_ids,
             max_model_len=spec.max_model_len,
+            reach=max(spec.windows) if all(spec.windows) else 0,
         )
         self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
         self.limits = ModelLimits(spec.vocab_size, spec.max_model_len)
@@ -186,8 +187,9 @@ class EngineCore:
     def kv_slots(self) -> tuple[int, int]:
         """(allocated, used) token slots of the running sequences: fragmentation is 1 - used / allocated."""
         running = self.scheduler.running
-        allocated = sum(len(seq.pages) for seq in running) * self.kv.page_size
-        return allocated, sum(seq.num_computed for seq in running)
+        size = self.kv.page_size
+        allocated = sum(len(seq.held_pages) for seq in running) * size
+        return allocated, sum(seq.num_computed - seq.num_dropped * size for seq in running)
 
     def _schedule(self) -> Plan:
         plan = self.scheduler.schedule()

@@ -79,13 +79,17 @@ class Scheduler:
         prefix_caching: bool = True,
         eos_token_ids: Iterable[int] = (),
         max_model_len: int = 1 << 62,
+        reach: int = 0,
     ) -> None:
+        """reach: how many tokens back the model's widest attention window sees (its own included), or 0
+        when some layer sees the whole sequence; the pages wholly before it go back as a sequence runs."""
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.reach = reach
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished sequence, by key
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
@@ -149,6 +153,7 @@ class Scheduler:
         for item, epoch in zip(step.items, step.epochs, strict=True):
             if item.seq.epoch == epoch and item.seq.status is Status.RUNNING:
                 self.publish_full_pages(item.seq, item.start + item.count)
+                self._drop_out_of_reach(item.seq, item.start + item.count)
         for seq, logprob in step.scored:
             seq.prompt_logprobs.append(logprob)
         outputs = []
@@ -282,6 +287,12 @@ class Scheduler:
             seq.num_shared = full
             seq.published_mark = self.kv.published
 
+    def _drop_out_of_reach(self, seq: Sequence, computed: int) -> None:
+        """Give back the pages that no query from position `computed` on can see (published already, so a
+        later request may still find them in the prefix cache)."""
+        if self.reach:
+            self._free(seq.drop_pages(max(0, computed - self.reach + 1) // self.kv.page_size))
+
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why the sequence ends with this token, its last known one; None if it goes on."""
         options = seq.options
@@ -346,12 +357,16 @@ class Scheduler:
         self._enqueue(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.pages:
-            if self.device_done < self.launched:  # a step in flight may still write them
-                self._held.append((self.launched, seq.pages))
-            else:
-                self.kv.free(seq.pages)
+        self._free(seq.held_pages)
         seq.reset()
+
+    def _free(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        if self.device_done < self.launched:  # a step in flight may still read or write them
+            self._held.append((self.launched, pages))
+        else:
+            self.kv.free(pages)
 
 
 def dead_end(seq: Sequence) -> FailedPrecondition:

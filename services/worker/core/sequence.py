@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memory_daemon.lease import NULL_PAGE
 from memory_daemon.prefix import ROOT_KEY, page_keys, salted_root
 from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from services.common.request import EngineRequest
@@ -65,6 +66,7 @@ class Sequence:
         self.grammar: GrammarState | None = None  # its structured output's matcher, once compiled
         self.status = Status.COMPILING if grammar is not None else Status.WAITING
         self.pages: list[int] = []  # the block table
+        self.num_dropped = 0  # leading pages given back, out of every layer's reach (the null page there)
         self.num_computed = 0  # leading tokens whose KV is in the pool
         self.num_shared = 0  # leading pages that are shared: published, or found in the prefix cache
         self.cached_prompt_tokens = 0  # prompt tokens the first admission found in the prefix cache
@@ -109,9 +111,23 @@ class Sequence:
             self._keys += page_keys(self.tokens[start : count * page_size], page_size, parent)
         return self._keys[:count]
 
+    @property
+    def held_pages(self) -> list[int]:
+        """The pages it holds: its block table but for the pages it dropped."""
+        return self.pages[self.num_dropped :]
+
+    def drop_pages(self, count: int) -> list[int]:
+        """Give up its first `count` pages (those not dropped yet), leaving the null page in their place;
+        returns the pages given up."""
+        dropped = self.pages[self.num_dropped : count]
+        self.pages[self.num_dropped : count] = [NULL_PAGE] * len(dropped)
+        self.num_dropped = max(self.num_dropped, count)
+        return dropped
+
     def reset(self) -> None:
         """Forget the KV (after preemption): the tokens stay and are recomputed on readmission."""
         self.pages = []
+        self.num_dropped = 0
         self.num_computed = 0
         self.num_shared = 0
         self.status = Status.WAITING

@@ -3,6 +3,7 @@ steps (the embedding, a block, its attention and MLP, the logits) a family overr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -10,15 +11,18 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.backend import AttentionMetadata, KernelBackend
+from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention
 from services.worker.models.spec import ModelSpec
 from services.worker.models.weights import LayerWeights, Weights
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def rotary_table(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """cos and sin of every position, [max_model_len, 2, D], computed as transformers computes them.
+def rotary_table(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, layer_type: str | None = None
+) -> torch.Tensor:
+    """cos and sin of every position, [max_model_len, 2, D], computed as transformers computes them, for
+    the layers of layer_type where the config gives each its own (Gemma 3: "sliding_attention").
 
     Long RoPE (Phi-3) has a short and a long set of factors, and transformers picks the long one for a
     forward pass that reaches past original_max_position_embeddings. A paged cache keeps keys rotated once,
@@ -26,18 +30,19 @@ def rotary_table(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> t
     does), which agrees with transformers for every sequence that does too.
     """
     config = spec.hf_config
-    rope = rope_parameters(config)
+    rope = rope_parameters(config, layer_type)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    per_type = (
+        {} if layer_type is None or layer_type not in rope_parameters(config) else {"layer_type": layer_type}
+    )
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
         scaling = 1.0
-    elif rope_type == "longrope":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
-            config, torch.device("cpu"), seq_len=spec.max_model_len
-        )
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+        seq_len = {"seq_len": spec.max_model_len} if rope_type == "longrope" else {}
+        inv_freq, scaling = init(config, torch.device("cpu"), **seq_len, **per_type)
     positions = torch.arange(spec.max_model_len, dtype=torch.float)
     freqs = positions[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
@@ -45,9 +50,33 @@ def rotary_table(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> t
     return table.to(device=device, dtype=dtype)
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The config's rotary parameters (those of layer_type's layers, where each type has its own)."""
     # transformers 5 calls it rope_parameters; 4.x had rope_scaling beside rope_theta.
-    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        return dict(rope[layer_type])
+    return rope
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: its weights, how its attention works, and its rotary table."""
+
+    index: int
+    weights: LayerWeights
+    attention: LayerAttention
+    cos_sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer of one forward pass shares: the tokens' positions [T], the attention metadata,
+    and the KV pool [L, 2, P, B, Hkv, D]."""
+
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    kv: torch.Tensor
 
 
 class CausalLM:
@@ -62,20 +91,35 @@ class CausalLM:
         self.backend = backend
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
-        self.cos_sin = rotary_table(spec, self.device, self.dtype)
-        self.scale = spec.head_dim**-0.5
+        tables: dict[str, torch.Tensor] = {}  # one for each set of rotary parameters the layers use
+        self.layers = []
+        for i, layer in enumerate(weights.layers):
+            kind = self.layer_type(i)
+            key = repr(sorted(rope_parameters(spec.hf_config, kind).items()))
+            if key not in tables:
+                tables[key] = rotary_table(spec, self.device, self.dtype, kind)
+            self.layers.append(Layer(i, layer, self.layer_attention(i), tables[key]))
         kv_width = spec.num_kv_heads * spec.head_dim
         self._split = [spec.num_heads * spec.head_dim, kv_width, kv_width]
 
     @classmethod
     def check(cls, config: PretrainedConfig) -> None:
         """Refuse, with ValueError, a config of the family that this code does not compute exactly."""
-        rope = rope_parameters(config)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are)")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("a partial_rotary_factor below 1 is not supported: rotary turns whole heads")
+        for kind in {None, *(getattr(config, "layer_types", None) or ())}:
+            rope = rope_parameters(config, kind)
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ROPE_TYPES:
+                raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are)")
+            if rope.get("partial_rotary_factor", 1.0) != 1.0:
+                raise ValueError("a partial_rotary_factor below 1 is not supported: rotary turns whole heads")
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's kind, as the config's layer_types name it."""
+        return "sliding_attention" if self.spec.windows[i] else "full_attention"
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        """How layer i attends: the scale of its scores, its window."""
+        return LayerAttention(self.spec.head_dim**-0.5, window=self.spec.windows[i])
 
     @property
     def graph_safe(self) -> bool:
@@ -95,10 +139,11 @@ class CausalLM:
 
         input_ids, positions: [T]. Returns fp32 logits [len(logits_indices), V] for the rows asked for.
         """
+        step = Step(positions, meta, kv)
         hidden = self.embed(input_ids)
         residual = None
-        for i, layer in enumerate(self.weights.layers):
-            hidden, residual = self.block(layer, hidden, residual, positions, meta, kv[i])
+        for layer in self.layers:
+            hidden, residual = self.block(layer, hidden, residual, step)
         # Only the rows that sample need the final norm and the vocabulary projection.
         rest = None if residual is None else residual[logits_indices]
         x, _ = self.backend.rms_norm(hidden[logits_indices], self.weights.norm, self.spec.rms_norm_eps, rest)
@@ -111,57 +156,47 @@ class CausalLM:
         return self.backend.linear(x, self.weights.lm_head).float()
 
     def block(
-        self,
-        layer: LayerWeights,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_layer: torch.Tensor,
+        self, layer: Layer, hidden: torch.Tensor, residual: torch.Tensor | None, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One layer, pre-norm: the residual stream is hidden + residual (hidden alone while residual is
         None), and the norms add the two as they normalize."""
-        be, eps = self.backend, self.spec.rms_norm_eps
-        x, residual = be.rms_norm(hidden, layer.input_norm, eps, residual)  # type: ignore[arg-type]
-        hidden = self.attention(layer, x, positions, meta, kv_layer)
-        x, residual = be.rms_norm(hidden, layer.post_norm, eps, residual)
+        be, eps, w = self.backend, self.spec.rms_norm_eps, layer.weights
+        x, residual = be.rms_norm(hidden, w.input_norm, eps, residual)  # type: ignore[arg-type]
+        hidden = self.attention(layer, x, step)
+        x, residual = be.rms_norm(hidden, w.post_norm, eps, residual)
         return self.mlp(layer, x), residual
 
-    def attention(
-        self,
-        layer: LayerWeights,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_layer: torch.Tensor,
-    ) -> torch.Tensor:
-        spec, be = self.spec, self.backend
+    def attention(self, layer: Layer, x: torch.Tensor, step: Step) -> torch.Tensor:
+        spec, be, w = self.spec, self.backend, layer.weights
         tokens = x.shape[0]
-        q, k, v = be.linear(x, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
+        q, k, v = be.linear(x, w.qkv, w.qkv_bias).split(self._split, dim=-1)
         q = q.view(tokens, spec.num_heads, spec.head_dim)
         k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
         v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
-        if layer.q_norm is not None:
-            q, k = self.norm_qk(layer, q, k)
-        q, k = be.rotary(q, k, positions, self.cos_sin)
-        be.write_kv(kv_layer, k, v, meta.slot_mapping)
-        attn = be.paged_attention(q, kv_layer, meta, self.scale)
-        return be.linear(attn.view(tokens, -1), layer.o, layer.o_bias)
+        if w.q_norm is not None:
+            q, k = self.norm_qk(w, q, k)
+        q, k = be.rotary(q, k, step.positions, layer.cos_sin)
+        kv_layer = step.kv[layer.index]
+        be.write_kv(kv_layer, k, v, step.meta.slot_mapping)
+        attn = be.paged_attention(q, kv_layer, step.meta, layer.attention)
+        return be.linear(attn.view(tokens, -1), w.o, w.o_bias)
 
-    def norm_qk(
-        self, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_qk(self, w: LayerWeights, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q/K norm, on q [T, Hq, D] and k [T, Hkv, D]: each head on its own (Qwen3)."""
         eps = self.spec.rms_norm_eps
-        return self.backend.rms_norm(q, layer.q_norm, eps)[0], self.backend.rms_norm(k, layer.k_norm, eps)[0]  # type: ignore[arg-type]
+        return self.backend.rms_norm(q, w.q_norm, eps)[0], self.backend.rms_norm(k, w.k_norm, eps)[0]  # type: ignore[arg-type]
 
-    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        be = self.backend
-        if layer.experts is not None:
-            experts = layer.experts
+    def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        be, w = self.backend, layer.weights
+        if w.experts is not None:
+            experts = w.experts
             return be.moe(x, experts.router, experts.gate_up, experts.down, *self.routing)
-        gate_up = be.linear(x, layer.gate_up, layer.gate_up_bias)  # type: ignore[arg-type]
-        return be.linear(be.silu_and_mul(gate_up), layer.down, layer.down_bias)  # type: ignore[arg-type]
+        gate_up = be.linear(x, w.gate_up, w.gate_up_bias)  # type: ignore[arg-type]
+        return be.linear(self.activation(gate_up), w.down, w.down_bias)  # type: ignore[arg-type]
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's gated activation of the fused [T, 2 I] gate and up projections."""
+        return self.backend.silu_and_mul(gate_up)
 
     @property
     def routing(self) -> tuple[int, bool]:

@@ -3,40 +3,28 @@ branches, as the attention's scale, and a divisor of the logits."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kernels.backend import AttentionMetadata, KernelBackend
-from services.worker.models.decoder import CausalLM
-from services.worker.models.spec import ModelSpec
-from services.worker.models.weights import LayerWeights, Weights
+from kernels.backend import LayerAttention
+from services.worker.models.decoder import CausalLM, Layer, Step
 
 
 class Granite(CausalLM):
     model_types = ("granite",)
 
-    def __init__(self, spec: ModelSpec, weights: Weights, backend: KernelBackend) -> None:
-        super().__init__(spec, weights, backend)
-        config = spec.hf_config
-        self.scale = config.attention_multiplier
-        self.embedding_multiplier = config.embedding_multiplier
-        self.residual_multiplier = config.residual_multiplier
-        self.logits_scaling = config.logits_scaling
+    def layer_attention(self, i: int) -> LayerAttention:
+        return replace(super().layer_attention(i), scale=self.spec.hf_config.attention_multiplier)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().embed(input_ids) * self.embedding_multiplier
+        return super().embed(input_ids) * self.spec.hf_config.embedding_multiplier
 
-    def attention(
-        self,
-        layer: LayerWeights,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_layer: torch.Tensor,
-    ) -> torch.Tensor:
-        return super().attention(layer, x, positions, meta, kv_layer) * self.residual_multiplier
+    def attention(self, layer: Layer, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return super().attention(layer, x, step) * self.spec.hf_config.residual_multiplier
 
-    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return super().mlp(layer, x) * self.residual_multiplier
+    def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        return super().mlp(layer, x) * self.spec.hf_config.residual_multiplier
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return super().logits(x) / self.logits_scaling
+        return super().logits(x) / self.spec.hf_config.logits_scaling

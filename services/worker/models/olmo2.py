@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import AttentionMetadata
-from services.worker.models.decoder import CausalLM
+from services.worker.models.decoder import CausalLM, Layer, Step
 from services.worker.models.weights import LayerWeights
 
 
@@ -15,25 +14,15 @@ class Olmo2(CausalLM):
     qk_norm = True
 
     def block(
-        self,
-        layer: LayerWeights,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_layer: torch.Tensor,
+        self, layer: Layer, hidden: torch.Tensor, residual: torch.Tensor | None, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stream is hidden alone (residual stays None): x + norm(attention(x)), then likewise the MLP."""
-        be, eps = self.backend, self.spec.rms_norm_eps
-        attn = self.attention(layer, hidden, positions, meta, kv_layer)
-        hidden = hidden + be.rms_norm(attn, layer.post_norm, eps)[0]
-        mlp = self.mlp(layer, hidden)
-        return hidden + be.rms_norm(mlp, layer.post_mlp_norm, eps)[0], None  # type: ignore[arg-type]
+        be, eps, w = self.backend, self.spec.rms_norm_eps, layer.weights
+        hidden = hidden + be.rms_norm(self.attention(layer, hidden, step), w.post_norm, eps)[0]
+        return hidden + be.rms_norm(self.mlp(layer, hidden), w.post_mlp_norm, eps)[0], None  # type: ignore[arg-type]
 
-    def norm_qk(
-        self, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_qk(self, w: LayerWeights, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.spec.rms_norm_eps
-        q_normed = self.backend.rms_norm(q.reshape(q.shape[0], -1), layer.q_norm, eps)[0]  # type: ignore[arg-type]
-        k_normed = self.backend.rms_norm(k.reshape(k.shape[0], -1), layer.k_norm, eps)[0]  # type: ignore[arg-type]
+        q_normed = self.backend.rms_norm(q.reshape(q.shape[0], -1), w.q_norm, eps)[0]  # type: ignore[arg-type]
+        k_normed = self.backend.rms_norm(k.reshape(k.shape[0], -1), w.k_norm, eps)[0]  # type: ignore[arg-type]
         return q_normed.view(q.shape), k_normed.view(k.shape)

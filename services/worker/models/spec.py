@@ -22,7 +22,8 @@ class ModelSpec:
     rms_norm_eps: float
     tie_word_embeddings: bool
     qk_norm: bool  # queries and keys are normalized before rotary (Qwen3, OLMo 2)
-    max_model_len: int  # positions the worker serves; a sliding window caps it, so full attention stays exact
+    max_model_len: int  # positions the worker serves
+    windows: tuple[int, ...]  # each layer's sliding window; 0 where it attends fully
     eos_token_ids: tuple[int, ...]
     hf_config: Any  # the transformers config, for rotary parameters
 
@@ -45,10 +46,6 @@ class ModelSpec:
         cls, config: PretrainedConfig, eos_token_ids: tuple[int, ...] = (), *, qk_norm: bool = False
     ) -> ModelSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        max_len = config.max_position_embeddings
-        window = _sliding_window(config)
-        if window is not None:
-            max_len = min(max_len, window)
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -61,23 +58,21 @@ class ModelSpec:
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qk_norm=qk_norm,
-            max_model_len=max_len,
+            max_model_len=config.max_position_embeddings,
+            windows=layer_windows(config),
             eos_token_ids=eos_token_ids,
             hf_config=config,
         )
 
 
-def _sliding_window(config: PretrainedConfig) -> int | None:
-    """The window of any sliding-attention layer, or None when every layer attends fully."""
-    window = getattr(config, "sliding_window", None)
+def layer_windows(config: PretrainedConfig) -> tuple[int, ...]:
+    """Each layer's sliding window (0: it attends fully), as transformers reads the config: `layer_types`
+    where the config has them, else `sliding_window` for every layer (Mistral, Phi-3, Mixtral)."""
+    window = getattr(config, "sliding_window", None) or 0
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    if config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(
-        config, "use_sliding_window", False
-    ):
-        return None
-    return window
+    if layer_types is None:
+        return (window,) * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 def eos_token_ids(model_dir: Path, config: PretrainedConfig) -> tuple[int, ...]:

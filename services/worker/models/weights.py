@@ -39,7 +39,8 @@ class LayerWeights:
     o: torch.Tensor  # [H, Hq D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]: the checkpoint's post_attention_layernorm
-    post_mlp_norm: torch.Tensor | None  # [H]: post_feedforward_layernorm (OLMo 2)
+    pre_mlp_norm: torch.Tensor | None  # [H]: pre_feedforward_layernorm (Gemma)
+    post_mlp_norm: torch.Tensor | None  # [H]: post_feedforward_layernorm (OLMo 2, Gemma)
     gate_up: torch.Tensor | None  # [2 I, H]; None in a layer of experts
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None  # [H, I]
@@ -105,6 +106,7 @@ def weights_from_state_dict(
                 o=take(f"{attn}o_proj.weight"),
                 o_bias=maybe(f"{attn}o_proj.bias"),
                 post_norm=take(f"{layer}post_attention_layernorm.weight"),
+                pre_mlp_norm=maybe(f"{layer}pre_feedforward_layernorm.weight"),
                 post_mlp_norm=maybe(f"{layer}post_feedforward_layernorm.weight"),
                 gate_up=gate_up,
                 gate_up_bias=projection(mlp, gate_up_parts, "gate_up_proj", "bias"),
