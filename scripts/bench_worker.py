@@ -1,6 +1,6 @@
-"""Benchmark the compute worker on SmolLM2-135M, fp32, on this CPU, beside Hugging Face transformers.
+"""Benchmark the compute worker on SmolLM2-135M (or --model), fp32, on this CPU, beside transformers.
 
-    python scripts/bench_worker.py [--requests 16] [--prompt-tokens 128] [--output-tokens 64]
+    python scripts/bench_worker.py [--model DIR] [--requests 16] [--prompt-tokens 128] [--output-tokens 64]
 
 Every request is greedy and runs to exactly --output-tokens tokens. In one run it prints:
 - output tokens/s of the engine (in-process pool, and the daemon's pool) and of a real worker process
@@ -101,12 +101,12 @@ def gemm_seconds(model: CausalLM, tokens: int, rows: int, repeats: int = 3) -> f
 
 
 def worker_process_throughput(
-    daemon: str, run_dir: Path, prompts: list[list[int]], output_tokens: int
+    daemon: str, run_dir: Path, model_dir: Path, prompts: list[list[int]], output_tokens: int
 ) -> float:
     address = f"unix:{run_dir}/worker.sock"
     worker = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "worker", "--daemon", daemon, "--address", address,
-         "--kv-memory", str(KV_BYTES), "--log-level", "WARNING"],
+         "--model", str(model_dir), "--kv-memory", str(KV_BYTES), "--log-level", "WARNING"],
         cwd=ROOT,
     )  # fmt: skip
     try:
@@ -148,7 +148,7 @@ def worker_process_throughput(
 
 
 def engine_throughputs(
-    model: CausalLM, config: EngineConfig, prompts: list[list[int]], out_len: int
+    model: CausalLM, model_dir: Path, config: EngineConfig, prompts: list[list[int]], out_len: int
 ) -> tuple[dict[str, float], dict[str, list[Step]]]:
     """Output tokens/s of the engine core on an in-process pool and on the daemon's, stepped in turn, and
     of a real worker process over gRPC; and the two cores' step logs."""
@@ -176,7 +176,7 @@ def engine_throughputs(
             results[f"engine, {name}"] = len(prompts) * out_len / sum(seconds for _, _, seconds in steps)
             caches[name].close()
         results["worker process over gRPC"] = worker_process_throughput(
-            daemon_address, run_dir, prompts, out_len
+            daemon_address, run_dir, model_dir, prompts, out_len
         )
     finally:
         daemon.terminate()
@@ -186,7 +186,7 @@ def engine_throughputs(
 
 def hf_throughputs(model_dir: Path, prompts: list[list[int]], out_len: int) -> dict[str, float]:
     """Output tokens/s of transformers' static-batch generate and of generate_batch."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     batch = torch.tensor(prompts)
     results: dict[str, float] = {}
     with torch.inference_mode():
@@ -213,6 +213,9 @@ def hf_throughputs(model_dir: Path, prompts: list[list[int]], out_len: int) -> d
 def print_gemm_share(model: CausalLM, steps: list[Step]) -> None:
     """The engine's model FLOP/s beside torch's GEMM rate at the same shapes, overall and by phase."""
     spec = model.spec
+    if not model.graph_safe:  # its experts' GEMMs take the tokens routed to each: no fixed shapes to time
+        print("\nmodel FLOP/s: not reported for a mixture of experts")
+        return
     gemm = {shape: gemm_seconds(model, *shape) for shape in {(tokens, rows) for tokens, rows, _ in steps}}
     print(
         f"\nmodel FLOP/s = 2 x {spec.num_parameters / 1e6:.1f}M parameters x tokens processed / time"
@@ -238,6 +241,7 @@ def print_gemm_share(model: CausalLM, steps: list[Step]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -245,7 +249,7 @@ def main() -> int:
     args = parser.parse_args()
     n, out_len = args.requests, args.output_tokens
     torch.manual_seed(0)
-    model_dir = default_model_dir()
+    model_dir = args.model or default_model_dir()
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), n, args.prompt_tokens)
     cpu = torch.device("cpu")
     backend = kernel_backend(WorkerConfig(device="cpu"), cpu)  # the worker's own choice: the C++ ops
@@ -254,10 +258,10 @@ def main() -> int:
         max_batched_tokens=args.max_batched_tokens, max_num_seqs=max(n, 16), prefix_caching=False
     )
     threads = torch.get_num_threads()
-    print(f"SmolLM2-135M fp32, {backend.name} kernels, {threads} threads: {n} requests x "
-          f"{args.prompt_tokens} prompt tokens "
+    print(f"{model.spec.model_type} ({model_dir.name}) fp32, {backend.name} kernels, {threads} threads: "
+          f"{n} requests x {args.prompt_tokens} prompt tokens "
           f"-> {out_len} output tokens, greedy; max_batched_tokens {config.max_batched_tokens}")  # fmt: skip
-    results, step_logs = engine_throughputs(model, config, prompts, out_len)
+    results, step_logs = engine_throughputs(model, model_dir, config, prompts, out_len)
     results |= hf_throughputs(model_dir, prompts, out_len)
     print(f"\n{'output tokens/s':<34} {'tok/s':>8} {'vs HF static':>13}")
     for name, rate in results.items():
