@@ -7,7 +7,7 @@ mixture of experts. `torch_ref` implements it with plain torch on any device, th
 is also the reference the CuPy kernels are tested against.
 """
 
-from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention
+from kernels.backend import AttentionMetadata, ExpertWeights, KernelBackend, LayerAttention, Routing
 from kernels.torch_ref import TorchBackend
 
-__all__ = ["AttentionMetadata", "KernelBackend", "LayerAttention", "TorchBackend"]
+__all__ = ["AttentionMetadata", "ExpertWeights", "KernelBackend", "LayerAttention", "Routing", "TorchBackend"]

@@ -64,6 +64,33 @@ class LayerAttention:
         return self.window == 0 and self.softcap == 0 and self.sinks is None
 
 
+@dataclass
+class ExpertWeights:
+    """A mixture of E experts: the router and each expert's gated MLP (biases where the model has them)."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2 I, H]: each expert's gate rows, then its up rows
+    down: torch.Tensor  # [E, H, I]
+    router_bias: torch.Tensor | None = None  # [E]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2 I]
+    down_bias: torch.Tensor | None = None  # [E, H]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a mixture of experts picks and weighs a token's experts, and gates their MLPs."""
+
+    top_k: int
+    # Mixtral, Qwen3-MoE: softmax over every expert, the top k kept, rescaled to sum to one if renormalize.
+    # gpt-oss (softmax_of_top): the top k router logits, and a softmax over those alone.
+    renormalize: bool = False
+    softmax_of_top: bool = False
+    # 0: silu(gate) * up. > 0 (gpt-oss): gate clamped above and up on both sides at the limit, then
+    # gate * sigmoid(alpha * gate) * (up + 1).
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+
+
 class KernelBackend(Protocol):
     name: str
 
@@ -106,16 +133,6 @@ class KernelBackend(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] W^T [K, N] (+ bias [N]): F.linear."""
 
-    def moe(
-        self,
-        x: torch.Tensor,
-        router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-    ) -> torch.Tensor:
-        """A mixture of E experts' SiLU-gated MLPs over x [T, H]: each token goes to the top_k experts of
-        softmax(x router^T) (router [E, H]; the chosen weights rescaled to sum to one when renormalize), and
-        gets the weighted sum of their outputs, down_e (silu(gate_e x) * up_e x), with gate_up [E, 2 I, H]
-        (gate rows first) and down [E, H, I]. Returns [T, H]."""
+    def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
+        """A mixture of experts over x [T, H]: each token goes to its top experts as routing says, and gets
+        the weighted sum of their gated MLPs' outputs. Returns [T, H]."""

@@ -20,31 +20,28 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata, LayerAttention
+from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, Routing
 
 # What one more decode group costs a layer (its gather, mask and attention calls), in padded token slots
 # that it saves from being gathered and attended to: about 5 ms a step against 14 us a slot on this CPU.
 GROUP_COST_SLOTS = 384
 
 
-def moe_reference(
-    x: torch.Tensor,
-    router: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
+def moe_reference(x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
     """`KernelBackend.moe` as transformers computes it (routing in fp32), one GEMM pair per expert over
     the tokens routed to it, so that each chosen expert's weights are read once a step. The tokens' counts
     per expert go to the host: it does not run inside a CUDA graph."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float)
-    weights, chosen = torch.topk(probs, top_k, dim=-1)  # [T, k] each
-    if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True)
+    logits = F.linear(x, experts.router, experts.router_bias).float()
+    if routing.softmax_of_top:
+        top, chosen = torch.topk(logits, routing.top_k, dim=-1)  # [T, k] each
+        weights = top.softmax(dim=-1)
+    else:
+        weights, chosen = torch.topk(logits.softmax(dim=-1), routing.top_k, dim=-1)
+        if routing.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
     flat = chosen.flatten()
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, each group in token order
-    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=experts.router.shape[0]).tolist()
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
@@ -52,11 +49,25 @@ def moe_reference(
             continue
         pairs = order[start : start + count]
         start += count
-        tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert])
+        tokens = pairs // routing.top_k
+        gate_up = F.linear(x[tokens], experts.gate_up[expert], _row(experts.gate_up_bias, expert))
+        y = F.linear(gated(gate_up, routing), experts.down[expert], _row(experts.down_bias, expert))
         out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(out.dtype))
     return out
+
+
+def gated(gate_up: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """An expert's gated activation of its [n, 2 I] gate and up projections."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if not routing.swiglu_limit:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=routing.swiglu_limit)
+    up = up.clamp(min=-routing.swiglu_limit, max=routing.swiglu_limit)
+    return gate * torch.sigmoid(gate * routing.swiglu_alpha) * (up + 1)
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]
 
 
 class TorchBackend:

@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -88,6 +89,24 @@ FAMILIES: dict[str, PretrainedConfig] = {
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        },
+    ),
+    # Experts with biases and a clamp low enough to bite; sinks; a window of 24, then a full layer.
+    "gpt-oss": GptOssConfig(
+        **{**_COMMON, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
         },
     ),
     "mistral-window": MistralConfig(**_COMMON, sliding_window=28),

@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from kernels import TorchBackend
 from services.worker.models import SUPPORTED, load_model
+from services.worker.models.gemma import Gemma2, Gemma3
+from services.worker.models.gpt_oss import GptOss
 from services.worker.models.granite import Granite
 from services.worker.models.mixtral import Mixtral
 from services.worker.models.olmo2 import Olmo2
@@ -39,8 +41,11 @@ def llama(tmp_path: Path) -> Path:
     [
         ("granite-multipliers", Granite),
         ("olmo2-postnorm", Olmo2),
+        ("gemma2-softcap", Gemma2),
+        ("gemma3-local-global", Gemma3),
         ("mixtral-moe", Mixtral),
         ("qwen3-moe", Qwen3Moe),
+        ("gpt-oss", GptOss),
     ],
 )
 def test_the_config_picks_the_family(family: str, cls: type, tmp_path: Path) -> None:
@@ -66,6 +71,11 @@ def test_rotary_this_code_does_not_compute_is_refused(llama: Path) -> None:
         load(llama, rope_parameters=rope)
     with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
         load(llama, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_method(llama: Path) -> None:
+    with pytest.raises(ValueError, match=r"the checkpoint is quantized \(mxfp4\)"):
+        load(llama, quantization_config={"quant_method": "mxfp4"})
 
 
 def test_experts_where_the_config_puts_none_are_refused(tmp_path: Path) -> None:

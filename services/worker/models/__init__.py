@@ -2,8 +2,8 @@
 
 `spec` reads a Hugging Face config into the few numbers every family needs; `weights` loads safetensors
 into fused matrices (QKV, gate-up, stacked experts); `decoder` is the shared forward pass, which each
-family module (`llama`, `phi3`, `olmo2`, `granite`, `gemma`, `mixtral`, `qwen3_moe`) overrides where it
-differs; `registry` picks the family from the config.
+family module (`llama`, `phi3`, `olmo2`, `granite`, `gemma`, `mixtral`, `qwen3_moe`, `gpt_oss`) overrides
+where it differs; `registry` picks the family from the config.
 """
 
 from services.worker.models.decoder import CausalLM

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention
+from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention, Routing
 from services.worker.models.spec import ModelSpec
 from services.worker.models.weights import LayerWeights, Weights
 
@@ -105,6 +105,13 @@ class CausalLM:
     @classmethod
     def check(cls, config: PretrainedConfig) -> None:
         """Refuse, with ValueError, a config of the family that this code does not compute exactly."""
+        quantization = getattr(config, "quantization_config", None)
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            raise ValueError(
+                f"the checkpoint is quantized ({method}); pagedserve loads unquantized weights "
+                "(bf16, fp16 or fp32)"
+            )
         for kind in {None, *(getattr(config, "layer_types", None) or ())}:
             rope = rope_parameters(config, kind)
             rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -118,8 +125,9 @@ class CausalLM:
         return "sliding_attention" if self.spec.windows[i] else "full_attention"
 
     def layer_attention(self, i: int) -> LayerAttention:
-        """How layer i attends: the scale of its scores, its window."""
-        return LayerAttention(self.spec.head_dim**-0.5, window=self.spec.windows[i])
+        """How layer i attends: its scores' scale, its window, its sinks where the checkpoint has them."""
+        sinks = self.weights.layers[i].sinks
+        return LayerAttention(self.spec.head_dim**-0.5, window=self.spec.windows[i], sinks=sinks)
 
     @property
     def graph_safe(self) -> bool:
@@ -189,8 +197,7 @@ class CausalLM:
     def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         be, w = self.backend, layer.weights
         if w.experts is not None:
-            experts = w.experts
-            return be.moe(x, experts.router, experts.gate_up, experts.down, *self.routing)
+            return be.moe(x, w.experts, self.routing)
         gate_up = be.linear(x, w.gate_up, w.gate_up_bias)  # type: ignore[arg-type]
         return be.linear(self.activation(gate_up), w.down, w.down_bias)  # type: ignore[arg-type]
 
@@ -199,6 +206,6 @@ class CausalLM:
         return self.backend.silu_and_mul(gate_up)
 
     @property
-    def routing(self) -> tuple[int, bool]:
-        """A mixture of experts' top_k, and whether the chosen experts' weights are rescaled to sum to one."""
+    def routing(self) -> Routing:
+        """How the model's mixture of experts routes a token."""
         raise ValueError(f"{self.spec.model_type} has no mixture of experts")

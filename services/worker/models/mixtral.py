@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from kernels.backend import Routing
 from services.worker.models.decoder import CausalLM
 
 
@@ -10,5 +11,5 @@ class Mixtral(CausalLM):
     model_types = ("mixtral",)
 
     @property
-    def routing(self) -> tuple[int, bool]:
-        return self.spec.hf_config.num_experts_per_tok, True
+    def routing(self) -> Routing:
+        return Routing(self.spec.hf_config.num_experts_per_tok, renormalize=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from kernels.backend import KernelBackend
+from kernels.backend import KernelBackend, Routing
 from services.worker.models.decoder import CausalLM
 from services.worker.models.spec import ModelSpec
 from services.worker.models.weights import Weights
@@ -35,6 +35,6 @@ class Qwen3Moe(CausalLM):
         super().__init__(spec, weights, backend)
 
     @property
-    def routing(self) -> tuple[int, bool]:
+    def routing(self) -> Routing:
         config = self.spec.hf_config
-        return config.num_experts_per_tok, bool(config.norm_topk_prob)
+        return Routing(config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob))

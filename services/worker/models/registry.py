@@ -14,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 from kernels.backend import KernelBackend
 from services.worker.models.decoder import CausalLM
 from services.worker.models.gemma import Gemma2, Gemma3
+from services.worker.models.gpt_oss import GptOss
 from services.worker.models.granite import Granite
 from services.worker.models.llama import Llama, Qwen3
 from services.worker.models.mixtral import Mixtral
@@ -23,7 +24,18 @@ from services.worker.models.qwen3_moe import Qwen3Moe
 from services.worker.models.spec import ModelSpec, eos_token_ids
 from services.worker.models.weights import load_weights
 
-FAMILIES: tuple[type[CausalLM], ...] = (Llama, Qwen3, Phi3, Olmo2, Granite, Gemma2, Gemma3, Mixtral, Qwen3Moe)
+FAMILIES: tuple[type[CausalLM], ...] = (
+    Llama,
+    Qwen3,
+    Phi3,
+    Olmo2,
+    Granite,
+    Gemma2,
+    Gemma3,
+    Mixtral,
+    Qwen3Moe,
+    GptOss,
+)
 BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 SUPPORTED = tuple(sorted(BY_MODEL_TYPE))
 

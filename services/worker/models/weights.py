@@ -3,8 +3,9 @@
 Q, K and V projections become one matrix, as do the MLP's gate and up projections, so that a layer runs
 four GEMMs instead of seven; a checkpoint that fuses them already (Phi-3's `qkv_proj`, `gate_up_proj`) loads
 as it is. A mixture of experts' layer stacks its experts into [E, 2I, H] and [E, H, I], whichever names the
-checkpoint gives them (Mixtral's w1, w3, w2 under `block_sparse_moe`, Qwen3-MoE's gate, up and down under
-`mlp`). Biases and norms are kept wherever the checkpoint has them; the family says what each one means.
+checkpoint gives them (Mixtral's w1, w3, w2 under `block_sparse_moe`; Qwen3-MoE's gate, up and down under
+`mlp`; gpt-oss's stacked, transposed and interleaved tensors, with biases). Biases and norms are kept
+wherever the checkpoint has them; the family says what each one means.
 """
 
 from __future__ import annotations
@@ -16,17 +17,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.backend import ExpertWeights
 from services.worker.models.spec import ModelSpec
 
 # Where a layer's experts sit, and each expert's gate, up and down projections.
 EXPERT_LAYOUTS = {"mlp.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe.": ("w1", "w3", "w2")}
-
-
-@dataclass
-class Experts:
-    router: torch.Tensor  # [E, H]
-    gate_up: torch.Tensor  # [E, 2 I, H]
-    down: torch.Tensor  # [E, H, I]
 
 
 @dataclass
@@ -45,7 +40,8 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None  # [H, I]
     down_bias: torch.Tensor | None
-    experts: Experts | None
+    experts: ExpertWeights | None
+    sinks: torch.Tensor | None  # [Hq]: each head's attention sink logit (gpt-oss)
 
 
 @dataclass
@@ -113,6 +109,7 @@ def weights_from_state_dict(
                 down=take(f"{mlp}down_proj.weight") if gate_up is not None else None,
                 down_bias=maybe(f"{mlp}down_proj.bias"),
                 experts=None if gate_up is not None else _experts(layer, take, maybe),
+                sinks=maybe(f"{attn}sinks"),
             )
         )
         if spec.qk_norm and layers[-1].q_norm is None:
@@ -134,14 +131,25 @@ def _experts(
     layer: str,
     take: Callable[[str], torch.Tensor],
     maybe: Callable[[str], torch.Tensor | None],
-) -> Experts:
+) -> ExpertWeights:
     """A layer's router and its experts, stacked; KeyError when the layer has neither an MLP nor experts."""
+    fused = maybe(f"{layer}mlp.experts.gate_up_proj")
+    if fused is not None:  # gpt-oss: [E, H, 2 I] with gate and up interleaved, down [E, I, H]
+        bias = take(f"{layer}mlp.experts.gate_up_proj_bias")
+        return ExpertWeights(
+            router=take(f"{layer}mlp.router.weight"),
+            router_bias=take(f"{layer}mlp.router.bias"),
+            gate_up=torch.cat((fused[..., ::2], fused[..., 1::2]), dim=-1).transpose(1, 2).contiguous(),
+            gate_up_bias=torch.cat((bias[:, ::2], bias[:, 1::2]), dim=-1).contiguous(),
+            down=take(f"{layer}mlp.experts.down_proj").transpose(1, 2).contiguous(),
+            down_bias=take(f"{layer}mlp.experts.down_proj_bias"),
+        )
     for block, (gate, up, down) in EXPERT_LAYOUTS.items():
         router = maybe(f"{layer}{block}gate.weight")
         if router is None:
             continue
         names = [f"{layer}{block}experts.{e}." for e in range(router.shape[0])]
-        return Experts(
+        return ExpertWeights(
             router=router,
             gate_up=torch.stack(
                 [torch.cat((take(f"{n}{gate}.weight"), take(f"{n}{up}.weight"))) for n in names]
