@@ -1,4 +1,5 @@
-"""The CPU backend: the torch reference, with decode attention and the elementwise steps in C++.
+"""The CPU backend: the torch reference, with decode attention, the elementwise steps, the few-row GEMM and
+the mixture of experts in C++.
 
 The torch reference gathers every decoding sequence's pages into a copy, every layer, every step, and
 zeroes the stale tail of each last page so that a masked softmax cannot meet a NaN; on a CPU that costs
@@ -34,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.backend import AttentionMetadata, LayerAttention
+from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, Routing
 from kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.paths import cache_dir
 
@@ -46,7 +47,8 @@ SKINNY_ROWS = 16
 
 CSRC = Path(__file__).parent / "cpu"
 SOURCES = [
-    CSRC / name for name in ("paged_decode.cpp", "elementwise.cpp", "skinny_linear.cpp", "bindings.cpp")
+    CSRC / name
+    for name in ("paged_decode.cpp", "elementwise.cpp", "skinny_linear.cpp", "moe.cpp", "bindings.cpp")
 ]
 HEADERS = [CSRC / "checks.h"]
 # The x86-64 levels (GCC's -march names) an image ships, worst first, each with the flags /proc/cpuinfo
@@ -229,6 +231,15 @@ class CpuBackend(TorchBackend):
         if x.shape[0] > SKINNY_ROWS or not _ours(x):
             return super().linear(x, weight, bias)
         return self._ops.skinny_linear(x, weight, bias)
+
+    def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
+        if not _ours(x):
+            return super().moe(x, experts, routing)
+        e, r = experts, routing
+        return self._ops.moe(
+            x.contiguous(), e.router, e.router_bias, e.gate_up, e.gate_up_bias, e.down, e.down_bias,
+            r.top_k, r.renormalize, r.softmax_of_top, r.swiglu_limit, r.swiglu_alpha,
+        )  # fmt: skip
 
     def _decode_all(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention

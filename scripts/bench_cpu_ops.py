@@ -4,7 +4,9 @@
 
 1. GEMMs of SmolLM2-135M's layer shapes, with a separate weight per layer (30 layers, 424 MB) so that they
    stream from memory as in a decode step: MKL's F.linear against skinny_linear, per number of rows.
-2. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
+2. A mixture of experts' layer shaped as one of Qwen3-30B-A3B's, narrower (64 experts of 1024 x 384, 8 a
+   token; 302 MB, so that it streams from memory): the torch reference against the C++ op, per row count.
+3. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
    the torch reference backend against the C++ one, median step time.
 Machines are noisy: compare the ratios within one run.
 """
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import KernelBackend, TorchBackend  # noqa: E402
+from kernels import ExpertWeights, KernelBackend, Routing, TorchBackend  # noqa: E402
 from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
@@ -56,6 +58,23 @@ def bench_gemms(ops: ModuleType, rows: list[int]) -> None:
         mkl = seconds(lambda pairs=pairs: [F.linear(x, w) for x, w in pairs], 10)
         ours = seconds(lambda pairs=pairs: [ops.skinny_linear(x, w, None) for x, w in pairs], 10)
         print(f"| {m} | {mkl * 1e3:.1f} | {ours * 1e3:.1f} | {mkl / ours:.2f}x |")
+
+
+def bench_experts(ops: ModuleType, rows: list[int]) -> None:
+    experts, hidden, inner = 64, 1024, 384
+    weights = ExpertWeights(
+        router=torch.randn(experts, hidden),
+        gate_up=torch.randn(experts, 2 * inner, hidden) * 0.05,
+        down=torch.randn(experts, hidden, inner) * 0.05,
+    )
+    routing = Routing(8, renormalize=True)
+    reference, ours = TorchBackend(), CpuBackend(ops)
+    print("\n| rows | torch reference moe ms | C++ moe ms | ratio |\n|---|---|---|---|")
+    for m in rows:
+        x = torch.randn(m, hidden)
+        slow = seconds(lambda x=x: reference.moe(x, weights, routing), 10)
+        fast = seconds(lambda x=x: ours.moe(x, weights, routing), 10)
+        print(f"| {m} | {slow * 1e3:.1f} | {fast * 1e3:.1f} | {slow / fast:.2f}x |")
 
 
 def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
@@ -107,6 +126,7 @@ def main() -> int:
         return 1
     print(f"{torch.get_num_threads()} threads\n")
     bench_gemms(ops, rows)
+    bench_experts(ops, rows)
     bench_steps({"torch": TorchBackend(), "cpu": CpuBackend(ops)}, rows)
     return 0
 

@@ -14,6 +14,10 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k
                                                 torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Tensor> router_bias,
+                  torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+                  std::optional<torch::Tensor> down_bias, int64_t top_k, bool renormalize, bool softmax_of_top,
+                  double swiglu_limit, double swiglu_alpha);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the pool's pages");
@@ -21,4 +25,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "half-split rotary embedding of q and k, in place");
   m.def("skinny_linear", &skinny_linear, "x W^T (+ bias) for a few rows of x, streaming W once");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
+  m.def("moe", &moe, "a mixture of experts, each chosen expert run once for its tokens");
 }

@@ -1,5 +1,6 @@
-"""The C++ CPU decode attention against the torch reference, on fresh random inputs: every slot it must not
-read (pages nobody owns, the rest of each sequence's last page) holds NaN."""
+"""The C++ CPU decode attention and mixture of experts against the torch reference, on fresh random inputs:
+every slot the attention must not read (pages nobody owns, the rest of each sequence's last page, the pages
+before a window) holds NaN."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.backend import LayerAttention
+from kernels.backend import ExpertWeights, LayerAttention, Routing
 from kernels.cpu_backend import CpuBackend, cpu_ops
-from kernels.torch_ref import TorchBackend
+from kernels.torch_ref import TorchBackend, moe_reference
 from tests.kernels.references import (
     KV_HEADS,
     fused_qkv,
@@ -106,6 +107,38 @@ def test_windows_softcaps_and_sinks_match_the_reference_and_read_nothing_before_
 
     assert not actual.isnan().any()
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+ROUTINGS = {
+    "mixtral": Routing(2, renormalize=True),
+    "qwen3-moe": Routing(3),
+    "gpt-oss": Routing(2, softmax_of_top=True, swiglu_limit=1.0, swiglu_alpha=1.702),
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_experts_match_the_reference(routing: str, tokens: int) -> None:
+    """A decode's few rows (each expert through skinny_linear) and a prefill's (some experts through MKL)."""
+    gen = generator(17 + tokens)
+    experts, hidden, inner = 8, 64, 32
+
+    def randn(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    biased = routing == "gpt-oss"
+    weights = ExpertWeights(
+        router=randn(experts, hidden, scale=1.0),
+        gate_up=randn(experts, 2 * inner, hidden),
+        down=randn(experts, hidden, inner),
+        router_bias=randn(experts) if biased else None,
+        gate_up_bias=randn(experts, 2 * inner) if biased else None,
+        down_bias=randn(experts, hidden) if biased else None,
+    )
+    x = randn(tokens, hidden, scale=1.0)
+    assert OPS is not None
+    actual = CpuBackend(OPS).moe(x, weights, ROUTINGS[routing])
+    torch.testing.assert_close(actual, moe_reference(x, weights, ROUTINGS[routing]), rtol=1e-5, atol=1e-5)
 
 
 def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:

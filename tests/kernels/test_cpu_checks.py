@@ -66,6 +66,26 @@ def decode_args() -> Args:
     }
 
 
+E, J = 4, 8  # experts, and each one's MLP width
+
+
+def moe_args() -> Args:
+    return {
+        "x": torch.randn(T, H),
+        "router": torch.randn(E, H),
+        "router_bias": torch.randn(E),
+        "gate_up": torch.randn(E, 2 * J, H),
+        "gate_up_bias": torch.randn(E, 2 * J),
+        "down": torch.randn(E, H, J),
+        "down_bias": torch.randn(E, H),
+        "top_k": 2,
+        "renormalize": True,
+        "softmax_of_top": False,
+        "swiglu_limit": 0.0,
+        "swiglu_alpha": 1.702,
+    }
+
+
 # (op, the arguments changed from its good ones, what the message must say)
 CASES: list[tuple[str, Args, str]] = [
     ("rms_norm", {"residual": torch.randn(T, H - 1)}, r"residual must be \[5, 64\] like x, not \[5, 63\]"),
@@ -171,6 +191,15 @@ CASES: list[tuple[str, Args, str]] = [
     ("paged_decode", {"seq_lens": torch.ones(T, dtype=I32)}, r"seq_lens must be int64, not int32"),
     ("paged_decode", {"sinks": torch.zeros(HQ + 1)}, r"sinks must be \[6\], not \[7\]"),
     ("paged_decode", {"sinks": torch.zeros(HQ, dtype=F64)}, r"sinks must be float32, not float64"),
+    ("moe", {"x": torch.randn(T, H, 1)}, r"x must be \[T, H\], not \[5, 64, 1\]"),
+    ("moe", {"router": torch.randn(E, H + 1)}, r"router must be \[E, H\], not \[4, 65\]"),
+    ("moe", {"gate_up": torch.randn(E + 1, 2 * J, H)}, r"gate_up must be \[E, 2 I, H\], not \[5, 16, 64\]"),
+    ("moe", {"gate_up": torch.randn(E, 2 * J + 1, H)}, r"gate_up must have an even number of rows, not 17"),
+    ("moe", {"down": torch.randn(E, H, J + 1)}, r"down must be \[E, H, I\], not \[4, 64, 9\]"),
+    ("moe", {"down_bias": torch.randn(E)}, r"down_bias must be \[E, H\], not \[4\]"),
+    ("moe", {"gate_up": torch.randn(E, 2 * J, H, dtype=F64)}, r"gate_up must be float32, not float64"),
+    ("moe", {"top_k": E + 1}, r"top_k must be 1..4, not 5"),
+    ("moe", {"top_k": 0}, r"top_k must be 1..4, not 0"),
 ]
 
 
@@ -180,6 +209,7 @@ GOOD: dict[str, Callable[[], Args]] = {
     "silu_and_mul": silu_args,
     "skinny_linear": linear_args,
     "paged_decode": decode_args,
+    "moe": moe_args,
 }
 
 
