@@ -21,7 +21,7 @@ from pagedserve.v1 import generation_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.structured import Constraint
 from services.worker.core.grammar import Grammars, mask_logits
-from services.worker.models.spec import ModelSpec
+from services.worker.models.registry import load_spec
 from tests.clients import every_page_accounted
 from tests.integration.streams import wait_for_idle_worker
 from tests.procs import Stack, module_stack
@@ -259,7 +259,7 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def grammars(tokenizer: Tokenizer) -> Grammars:
     """The worker's compiler for the default model, as services/worker/server.py makes it."""
-    spec = ModelSpec.from_pretrained(default_model_dir())
+    spec = load_spec(default_model_dir())
     return Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
 
 

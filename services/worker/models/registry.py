@@ -56,15 +56,15 @@ def family_of(config: PretrainedConfig) -> type[CausalLM]:
     return family
 
 
-def spec_of(config: PretrainedConfig, eos: tuple[int, ...] = ()) -> ModelSpec:
-    return ModelSpec.from_hf(config, eos, qk_norm=family_of(config).qk_norm)
+def load_spec(model_dir: Path) -> ModelSpec:
+    """The spec of the model in model_dir, by its family; ValueError when no family runs it."""
+    config = AutoConfig.from_pretrained(model_dir)
+    return ModelSpec.from_hf(config, eos_token_ids(model_dir, config), qk_norm=family_of(config).qk_norm)
 
 
 def load_model(
     model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: KernelBackend
 ) -> CausalLM:
     """The model in model_dir (config.json and safetensors), on device, through backend."""
-    config = AutoConfig.from_pretrained(model_dir)
-    family = family_of(config)
-    spec = ModelSpec.from_hf(config, eos_token_ids(model_dir, config), qk_norm=family.qk_norm)
-    return family(spec, load_weights(model_dir, spec, dtype, device), backend)
+    spec = load_spec(model_dir)
+    return family_of(spec.hf_config)(spec, load_weights(model_dir, spec, dtype, device), backend)
