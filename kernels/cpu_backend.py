@@ -237,9 +237,19 @@ class CpuBackend(TorchBackend):
             return super().moe(x, experts, routing)
         e, r = experts, routing
         return self._ops.moe(
-            x.contiguous(), e.router, e.router_bias, e.gate_up, e.gate_up_bias, e.down, e.down_bias,
-            r.top_k, r.renormalize, r.softmax_of_top, r.swiglu_limit, r.swiglu_alpha,
-        )  # fmt: skip
+            x.contiguous(),
+            e.router,
+            e.router_bias,
+            e.gate_up,
+            e.gate_up_bias,
+            e.down,
+            e.down_bias,
+            r.top_k,
+            r.renormalize,
+            r.softmax_of_top,
+            r.swiglu_limit,
+            r.swiglu_alpha,
+        )
 
     def _decode_all(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
