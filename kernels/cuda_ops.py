@@ -13,7 +13,7 @@ from typing import get_args
 import numpy as np
 import torch
 
-from kernels.backend import AttentionMetadata, PageSize
+from kernels.backend import AttentionMetadata, LayerAttention, PageSize
 from kernels.launch import launch, max_shared_bytes, resident_blocks
 from kernels.nvrtc import DTYPE_MACROS
 from kernels.tuning import (
@@ -120,10 +120,15 @@ class _Attention:
     macros: dict[str, int]  # the dtype and the compile-time shape, less NUM_WARPS
     kv_heads: int
     v_offset: int  # elements from the K half of kv_layer to its V half
+    variations: tuple  # the layer's window, softcap and sinks, as the kernels' last three arguments
 
 
 def _attention(
-    out: torch.Tensor, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    layer: LayerAttention,
 ) -> _Attention:
     pages, page_size, kv_heads, head_dim = _kv_layer(kv_layer)
     q_heads = q.shape[1]
@@ -134,8 +139,14 @@ def _attention(
     _heads(q, "q", q_heads, head_dim)
     _require(out.is_contiguous() and out.shape == q.shape, "out must be contiguous and shaped like q")
     _index(block_tables, "block_tables", 2)
-    macros = {**_dtype(kv_layer, q, out), "HEAD_DIM": head_dim, "PAGE_SIZE": page_size, "GROUP": group}
-    return _Attention(macros, kv_heads, pages * page_size * kv_heads * head_dim)
+    _require(layer.window >= 0 and layer.softcap >= 0, "a layer's window and softcap must not be negative")
+    sinks = layer.sinks
+    if sinks is not None:
+        _require(sinks.is_contiguous() and sinks.shape == (q_heads,), f"sinks must be contiguous [{q_heads}]")
+    dtype = _dtype(kv_layer, q, out, *([sinks] if sinks is not None else []))
+    macros = {**dtype, "HEAD_DIM": head_dim, "PAGE_SIZE": page_size, "GROUP": group}
+    variations = (np.int32(layer.window), np.float32(layer.softcap), _ptr(sinks))
+    return _Attention(macros, kv_heads, pages * page_size * kv_heads * head_dim, variations)
 
 
 def paged_decode(
@@ -145,15 +156,16 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
-    scale: float,
+    layer: LayerAttention,
     tuning: Tuning,
 ) -> None:
-    """out [S, Hq, D] = attention of q [S, Hq, D] over each sequence's seq_lens [S] cached tokens.
+    """out [S, Hq, D] = attention of q [S, Hq, D] over each sequence's seq_lens [S] cached tokens (those of
+    its window, for a sliding layer), as `layer` says.
 
     max_seq_len bounds every seq_lens entry; with the batch's size and the device's, it sets how many
     partitions each sequence is split into (kernels.tuning.decode_split).
     """
-    shape = _attention(out, q, kv_layer, block_tables)
+    shape = _attention(out, q, kv_layer, block_tables, layer)
     _index(seq_lens, "seq_lens", 1)
     seqs, head_dim = q.shape[0], q.shape[2]
     kv_heads, group = shape.kv_heads, shape.macros["GROUP"]
@@ -170,7 +182,10 @@ def paged_decode(
         macros |= {"STAGES": stages, "MAX_PARTITION": tuning.max_partition}
         shared = decode_mma_shared_bytes(head_dim, shape.macros["PAGE_SIZE"], tuning, stages)
     resident = resident_blocks(name, name, macros, threads, q.device, shared)
-    split = decode_split(seqs, kv_heads, max_seq_len, resident, tuning.min_partition, tuning.max_partition)
+    span = max_seq_len  # the most tokens a partitioned context holds: a window's, from its first page on
+    if layer.window:
+        span = min(span, layer.window + shape.macros["PAGE_SIZE"] - 1)
+    split = decode_split(seqs, kv_heads, span, resident, tuning.min_partition, tuning.max_partition)
     partitions = split.partitions
     partial_out = partial_max = partial_sum = None
     if partitions > 1:
@@ -190,8 +205,9 @@ def paged_decode(
         np.int32(block_tables.shape[1]),
         np.int64(q.stride(0)),
         np.int64(shape.v_offset),
-        np.float32(scale),
+        np.float32(layer.scale),
         np.int32(split.partition_size),
+        *shape.variations,
     )
     launch(name, name, macros, (seqs, kv_heads, partitions), (threads,), args, q.device, shared)
     if partitions > 1:
@@ -204,6 +220,8 @@ def paged_decode(
             np.int32(kv_heads),
             np.int32(partitions),
             np.int32(split.partition_size),
+            shape.variations[0],
+            shape.variations[2],
         )
         heads = (seqs, q.shape[1])
         merge = {**shape.macros, "NUM_WARPS": tuning.decode_warps}  # paged_decode.cu's
@@ -220,15 +238,16 @@ def paged_prefill(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    layer: LayerAttention,
     tuning: Tuning,
 ) -> None:
     """out [Tp, Hq, D]: the prefill rows of meta's step (q [Tp, Hq, D], its tokens past the decodes), each
-    attending causally to its sequence's keys up to its own position.
+    attending causally to its sequence's keys up to its own position (from its window's first), as `layer`
+    says.
 
     16-bit types run on tensor cores, tile by tile (paged_prefill_mma.cu); float32 a warp per query token.
     """
-    shape = _attention(out, q, kv_layer, meta.block_tables)
+    shape = _attention(out, q, kv_layer, meta.block_tables, layer)
     _index(meta.prefill_seq, "prefill_seq", 1)
     _index(meta.prefill_pos, "prefill_pos", 1)
     tokens, kv_heads, warps = q.shape[0], shape.kv_heads, tuning.prefill_warps
@@ -244,7 +263,7 @@ def paged_prefill(
         np.int32(meta.block_tables.shape[1]),
         np.int64(q.stride(0)),
         np.int64(shape.v_offset),
-        np.float32(scale),
+        np.float32(layer.scale),
     )
     args: tuple
     if not _on_tensor_cores(out, q, kv_layer):  # a warp per query token and KV head
@@ -258,12 +277,21 @@ def paged_prefill(
             _ptr(meta.prefill_pos),
             np.int32(tokens),
             *common,
+            *shape.variations,
         )
         grid: tuple[int, ...] = (-(-tokens * kv_heads // warps),)
     else:
         name = "paged_prefill_mma"
         tiles = step_prefill_tiles(meta, 16 * warps // shape.macros["GROUP"], q.device)
-        args = (_ptr(out), _ptr(q), _ptr(kv_layer), _ptr(meta.block_tables), _ptr(tiles), *common)
+        args = (
+            _ptr(out),
+            _ptr(q),
+            _ptr(kv_layer),
+            _ptr(meta.block_tables),
+            _ptr(tiles),
+            *common,
+            *shape.variations,
+        )
         grid = (tiles.shape[0], kv_heads)
     launch(name, name, macros, grid, (warps * 32,), args, q.device)
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels import cuda_ops
 from kernels.backend import AttentionMetadata, LayerAttention
-from kernels.torch_ref import TorchBackend, moe_reference
+from kernels.torch_ref import moe_reference
 from kernels.tuning import tuning_for
 
 EMULATED_ARCH = 90
@@ -23,7 +23,6 @@ class CupyBackend:
             self.tuning = tuning_for(major * 10 + minor)
         else:  # the kernels in the emulator (kernels/emulator.py), launched as on a Hopper
             self.tuning = tuning_for(EMULATED_ARCH)
-        self._reference = TorchBackend()
 
     def write_kv(
         self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -33,18 +32,15 @@ class CupyBackend:
     def paged_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
     ) -> torch.Tensor:
-        if not layer.plain:  # no CUDA kernel has windows, softcaps or sinks yet
-            return self._reference.paged_attention(q, kv_layer, meta, layer)
-        scale = layer.scale
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = meta.num_decodes
         if n:
             tables, lens = meta.block_tables[:n], meta.seq_lens[:n]
             cuda_ops.paged_decode(
-                out[:n], q[:n], kv_layer, tables, lens, meta.decode_max_len, scale, self.tuning
+                out[:n], q[:n], kv_layer, tables, lens, meta.decode_max_len, layer, self.tuning
             )
         if n < q.shape[0]:
-            cuda_ops.paged_prefill(out[n:], q[n:], kv_layer, meta, scale, self.tuning)
+            cuda_ops.paged_prefill(out[n:], q[n:], kv_layer, meta, layer, self.tuning)
         return out
 
     def rms_norm(

@@ -45,6 +45,7 @@ def source(name: str) -> str:
     """A kernel's source with the shared headers in front (NVRTC sees one file)."""
     headers = [
         "common.cuh",
+        *(["variations.cuh"] if name in (*ATTENTION, *TENSOR_CORE) else []),
         *(["attention.cuh"] if name in ATTENTION else []),
         *(["mma.cuh"] if name in TENSOR_CORE else []),
         *(["decode.cuh"] if name in ("paged_decode", "paged_decode_mma") else []),

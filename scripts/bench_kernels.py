@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels import cuda_ops  # noqa: E402
-from kernels.backend import AttentionMetadata  # noqa: E402
+from kernels.backend import AttentionMetadata, LayerAttention  # noqa: E402
 from kernels.cupy_backend import CupyBackend  # noqa: E402
 from kernels.tuning import Tuning  # noqa: E402
 
@@ -169,7 +169,7 @@ def bench_decode_batch(batch: int, copy_bw: float) -> list[dict]:
     out = torch.empty_like(q)
 
     def run(tuning: Tuning) -> None:
-        cuda_ops.paged_decode(out, q, kv_layer, tables, lens, CONTEXT, 0.088, tuning)
+        cuda_ops.paged_decode(out, q, kv_layer, tables, lens, CONTEXT, LayerAttention(0.088), tuning)
 
     rows = []
     for warps, stages, minimum in DECODE_TUNINGS:
@@ -186,7 +186,9 @@ def bench_decode(copy_bw: float) -> tuple[list[dict], dict]:
     rows = [*bench_decode_batch(BATCH, copy_bw), *bench_decode_batch(1, copy_bw)]
     q, kv_layer, tables, lens = decode_inputs(BATCH, CONTEXT)
     out = torch.empty_like(q)
-    cuda_ops.paged_decode(out, q, kv_layer, tables, lens, CONTEXT, 0.088, CupyBackend(q.device).tuning)
+    cuda_ops.paged_decode(
+        out, q, kv_layer, tables, lens, CONTEXT, LayerAttention(0.088), CupyBackend(q.device).tuning
+    )
     reference = native_paged_decode(q, kv_layer, tables, lens)
     error = (out.float() - reference.float()).norm() / reference.float().norm()
     native = event_time(lambda: native_paged_decode(q, kv_layer, tables, lens)) * 1e6
@@ -210,7 +212,9 @@ def bench_prefill(backend: CupyBackend, seqs: int, cached: int, new: int) -> dic
     q = random(seqs * new, Q_HEADS, HEAD_DIM)
     out = torch.empty_like(q)
     # Timed with events: the wrapper uploads its tile list, which a CUDA graph cannot capture.
-    seconds = event_time(lambda: cuda_ops.paged_prefill(out, q, kv_layer, meta, 0.088, backend.tuning))
+    seconds = event_time(
+        lambda: cuda_ops.paged_prefill(out, q, kv_layer, meta, LayerAttention(0.088), backend.tuning)
+    )
     pairs = seqs * Q_HEADS * sum(cached + i + 1 for i in range(new))
     shape = f"{seqs}x({cached}+{new})" if cached else f"{seqs}x{new}"
     return {"kernel": "paged_prefill", "shape": shape, "us": seconds * 1e6,

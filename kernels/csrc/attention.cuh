@@ -10,9 +10,11 @@ struct GroupAttention {
   float acc[GROUP][PER_LANE];
   float max[GROUP];
   float sum[GROUP];
+  float softcap;
 
   // q_row points at the first query head of the group; the heads are HEAD_DIM apart.
-  __device__ __forceinline__ void start(const scalar_t* q_row, float scale, int lane) {
+  __device__ __forceinline__ void start(const scalar_t* q_row, float scale, float softcap_, int lane) {
+    softcap = softcap_;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
@@ -38,7 +40,7 @@ struct GroupAttention {
       float dot = 0.f;
 #pragma unroll
       for (int e = 0; e < PER_LANE; ++e) dot += query[g][e] * key[e];
-      dot = warp_sum(dot);
+      dot = capped(warp_sum(dot), softcap);
       const float new_max = fmaxf(max[g], dot);
       const float rescale = __expf(max[g] - new_max), weight = __expf(dot - new_max);
       sum[g] = sum[g] * rescale + weight;
@@ -46,6 +48,13 @@ struct GroupAttention {
       for (int e = 0; e < PER_LANE; ++e) acc[g][e] = acc[g][e] * rescale + weight * value[e];
       max[g] = new_max;
     }
+  }
+
+  // Head g's output element e of this lane, sinks (null, or one logit a query head) in the denominator.
+  __device__ __forceinline__ float output(int g, int e, const scalar_t* sinks, int head) const {
+    float rescale;
+    const float denominator = with_sink(sum[g], max[g], sinks, head, rescale);
+    return acc[g][e] * rescale / denominator;
   }
 };
 

@@ -8,7 +8,7 @@
 // and O += P V are mma.m16n8k16 from ldmatrix fragments. The warps' results merge through shared memory.
 //
 // Compile-time: HEAD_DIM (D), PAGE_SIZE (B), GROUP (<= 16), NUM_WARPS, MAX_PARTITION (tokens, a multiple of B).
-// Arguments and outputs as paged_decode's. Dynamic shared memory: decode_mma_shared_bytes() below.
+// Arguments (the layer's window, softcap and sinks included) and outputs as paged_decode's. Dynamic shared memory: decode_mma_shared_bytes() below.
 // grid: (S, Hkv, partitions); block: NUM_WARPS * 32.
 
 #define KEYS 16  // a tile: the k of the P V product
@@ -27,13 +27,15 @@ __device__ __forceinline__ int swizzled(int row, int chunk) { return row * HEAD_
 #define PAGES_OFFSET (Q_OFFSET + 16 * HEAD_DIM * 2)
 #define SHARED_BYTES (PAGES_OFFSET + MAX_PAGES * 4)
 
-// Starts the copy of the warp's keys first..first + KEYS - 1 (those before end) into its tile; zeros past end.
+// Starts the copy of the warp's keys first..first + KEYS - 1 into its tile; those before low (the window's first)
+// or from end on are zeros, so that a masked key's V, whatever its page holds now, adds nothing.
 __device__ __forceinline__ void load_tile(scalar_t* tile, const scalar_t* kv, const int* pages, int start, int first,
-                                         int end, int num_kv_heads, int kv_head, long long v_offset, int lane) {
+                                         int low, int end, int num_kv_heads, int kv_head, long long v_offset,
+                                         int lane) {
 #pragma unroll
   for (int c = lane; c < KEYS * CHUNKS; c += WARP_SIZE) {
     const int row = c / CHUNKS, chunk = c % CHUNKS, key = first + row;
-    const bool valid = key < end;
+    const bool valid = key >= low && key < end;
     const long long page = valid ? pages[(key - start) / PAGE_SIZE] : 0;
     const long long at = ((page * PAGE_SIZE + key % PAGE_SIZE) * num_kv_heads + kv_head) * HEAD_DIM + chunk * 8;
     cp_async_16(&tile[swizzled(row, chunk)], kv + at, valid);
@@ -46,7 +48,8 @@ extern "C" __global__ void paged_decode_mma(scalar_t* __restrict__ out, float* _
                                             const scalar_t* __restrict__ q, const scalar_t* __restrict__ kv,
                                             const long long* __restrict__ block_tables,
                                             const long long* __restrict__ seq_lens, int num_kv_heads, int max_pages,
-                                            long long q_stride, long long v_offset, float scale, int partition_size) {
+                                            long long q_stride, long long v_offset, float scale, int partition_size,
+                                            int window, float softcap, const scalar_t* __restrict__ sinks) {
   static_assert(STAGES >= 2, "a pipeline needs a tile in flight beside the one in use");
   static_assert(NUM_WARPS * GROUP * (HEAD_DIM + 2) * 4 <= PIPELINE_BYTES, "the warps merge in the pipeline's space");
   DYNAMIC_SHARED(shared);
@@ -55,8 +58,9 @@ extern "C" __global__ void paged_decode_mma(scalar_t* __restrict__ out, float* _
   int* pages = reinterpret_cast<int*>(shared + PAGES_OFFSET);
 
   DecodePartition p;
-  if (!decode_partition(p, seq_lens, num_kv_heads, partition_size, partial_max, partial_sum)) return;
+  if (!decode_partition(p, seq_lens, num_kv_heads, partition_size, window, partial_max, partial_sum)) return;
   const int seq = p.seq, kv_head = p.kv_head, start = p.start, end = p.end, partitions = gridDim.z;
+  const int first_visible = p.first;
   const long long partial = p.partial;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int group = lane / 4, pair = 2 * (lane % 4);
@@ -82,17 +86,16 @@ extern "C" __global__ void paged_decode_mma(scalar_t* __restrict__ out, float* _
   const auto first_key = [&](int j) { return start + (warp + j * NUM_WARPS) * KEYS; };
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) {
-    if (j < count) load_tile(tiles + j * TILE_ELEMENTS, kv, pages, start, first_key(j), end, num_kv_heads, kv_head, v_offset, lane);
+    if (j < count) load_tile(tiles + j * TILE_ELEMENTS, kv, pages, start, first_key(j), first_visible, end, num_kv_heads, kv_head, v_offset, lane);
     cp_async_commit();
   }
-  const float scale_log2 = scale * 1.4426950408889634f;
   float o[HEAD_DIM / 8][4] = {};
   float row_max[2] = {NEG_LARGE, NEG_LARGE}, row_sum[2] = {0.f, 0.f};
   for (int j = 0; j < count; ++j) {
     const int ahead = j + STAGES - 1;
     if (ahead < count) {
-      load_tile(tiles + (ahead % STAGES) * TILE_ELEMENTS, kv, pages, start, first_key(ahead), end, num_kv_heads, kv_head,
-                v_offset, lane);
+      load_tile(tiles + (ahead % STAGES) * TILE_ELEMENTS, kv, pages, start, first_key(ahead), first_visible, end,
+                num_kv_heads, kv_head, v_offset, lane);
     }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
@@ -112,7 +115,8 @@ extern "C" __global__ void paged_decode_mma(scalar_t* __restrict__ out, float* _
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        s[nt][i] = first_key(j) + nt * 8 + pair + i % 2 < end ? s[nt][i] * scale_log2 : NEG_LARGE;
+        const int key = first_key(j) + nt * 8 + pair + i % 2;
+        s[nt][i] = key >= first_visible && key < end ? capped(s[nt][i] * scale, softcap) * LOG2E : NEG_LARGE;
       }
     }
     float rescale[2];
@@ -173,12 +177,15 @@ extern "C" __global__ void paged_decode_mma(scalar_t* __restrict__ out, float* _
       sum += warp_sum_[w * GROUP + g] * rescale;
     }
     if (partitions == 1) {
-      out[((long long)seq * num_kv_heads * GROUP + kv_head * GROUP + g) * HEAD_DIM + d] = from_float(total / sum);
+      float rescale;
+      const float denominator = with_sink(sum, block_max * LN2, sinks, kv_head * GROUP + g, rescale);
+      out[((long long)seq * num_kv_heads * GROUP + kv_head * GROUP + g) * HEAD_DIM + d] =
+          from_float(total * rescale / denominator);
     } else {
       // paged_decode_reduce takes maxima in natural-log units, as paged_decode writes them.
       partial_out[(partial + g) * HEAD_DIM + d] = total;
       if (d == 0) {
-        partial_max[partial + g] = block_max * 0.6931471805599453f;
+        partial_max[partial + g] = block_max * LN2;
         partial_sum[partial + g] = sum;
       }
     }

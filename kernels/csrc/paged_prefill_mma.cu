@@ -5,12 +5,14 @@
 // 16 rows: their Q fragments, their output and their online softmax stay in registers. K and V come in
 // tiles of BLOCK_N keys gathered from the pages by cp.async into shared memory, two stages deep, so the next
 // tile loads while this one is multiplied. S = Q K^T and O += P V are mma.m16n8k16 with fragments from
-// ldmatrix; keys past a row's position are masked, and tiles past the tile's last position never load.
+// ldmatrix; keys past a row's position (or before its window) are masked, and tiles past the tile's last
+// position (or wholly before its first one's window) never load.
 //
 // Compile-time: HEAD_DIM (D, 64 or 128), PAGE_SIZE (B), GROUP, NUM_WARPS (ROWS = 16 NUM_WARPS).
 //   q:             [Tp, Hq, D], token stride q_stride; out: [Tp, Hq, D] contiguous
 //   tiles:         [tiles, 4]: block_tables row, first query token (an index of q), tokens, first position
 //   kv:            [2, P, B, Hkv, D] contiguous; V starts v_offset elements after K
+//   window, softcap, sinks ([Hq] or null): the layer's variations (variations.cuh)
 // grid: (tiles, Hkv); block: NUM_WARPS * 32.
 
 #define ROWS (16 * NUM_WARPS)
@@ -26,12 +28,14 @@ struct alignas(128) KvTiles {
   scalar_t tile[2][2][BLOCK_N * HEAD_DIM];  // by stage, then K and V: a stage is one span of 2 BLOCK_N rows
 };
 
-// Starts the copy of keys first..first + BLOCK_N - 1 into stage; keys from kv_len on are zeros.
+// Starts the copy of keys first..first + BLOCK_N - 1 into stage; keys before low (the window's) or from kv_len
+// on are zeros, so that a masked key's V, whatever its page holds now, adds nothing.
 __device__ __forceinline__ void load_kv(KvTiles& tiles, int stage, const scalar_t* kv, const long long* table,
-                                        int first, int kv_len, int num_kv_heads, int kv_head, long long v_offset) {
+                                        int first, int low, int kv_len, int num_kv_heads, int kv_head,
+                                        long long v_offset) {
   for (int c = threadIdx.x; c < BLOCK_N * CHUNKS; c += blockDim.x) {
     const int row = c / CHUNKS, chunk = c % CHUNKS, key = first + row;
-    const bool valid = key < kv_len;
+    const bool valid = key >= low && key < kv_len;
     const long long page = valid ? table[key / PAGE_SIZE] : 0;
     const long long at = ((page * PAGE_SIZE + key % PAGE_SIZE) * num_kv_heads + kv_head) * HEAD_DIM + chunk * 8;
     cp_async_16(&tiles.tile[stage][0][swizzled(row, chunk)], kv + at, valid);
@@ -43,7 +47,8 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
                                              const scalar_t* __restrict__ kv,
                                              const long long* __restrict__ block_tables,
                                              const long long* __restrict__ tiles, int num_kv_heads, int max_pages,
-                                             long long q_stride, long long v_offset, float scale) {
+                                             long long q_stride, long long v_offset, float scale, int window,
+                                             float softcap, const scalar_t* __restrict__ sinks) {
   static_assert(ROWS * HEAD_DIM <= 2 * BLOCK_N * HEAD_DIM, "the Q tile is staged in the K/V tiles' stage 1");
   __shared__ KvTiles kv_tiles;
   const int kv_head = blockIdx.y;
@@ -52,6 +57,8 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
   const long long q_first = tile[1];
   const int tokens = (int)tile[2], first_pos = (int)tile[3];
   const int kv_len = first_pos + tokens;  // the keys the tile's last token attends to
+  const int first_key = window_start(first_pos, window);  // the first the tile's first token sees
+  const int first_tile = first_key / BLOCK_N;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
   const int group = lane / 4, pair = 2 * (lane % 4);
 
@@ -64,7 +71,7 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
     cp_async_16(&q_tile[swizzled(row, chunk)], source + chunk * 8, valid);
   }
   cp_async_commit();
-  load_kv(kv_tiles, 0, kv, table, 0, kv_len, num_kv_heads, kv_head, v_offset);
+  load_kv(kv_tiles, 0, kv, table, first_tile * BLOCK_N, first_key, kv_len, num_kv_heads, kv_head, v_offset);
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
@@ -75,20 +82,22 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
   }
   __syncthreads();  // stage 1 is the pipeline's from here
 
-  // This lane's rows: group and group + 8 of the warp's 16; their last visible key.
-  int limit[2];
+  // This lane's rows: group and group + 8 of the warp's 16; their first and last visible keys.
+  int low[2], limit[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = warp * 16 + group + 8 * half;
     limit[half] = row < TILE_TOKENS * GROUP ? first_pos + row / GROUP : -1;
+    low[half] = window_start(limit[half], window);
   }
-  const float scale_log2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x log2 e)
   float o[HEAD_DIM / 8][4] = {};
   float row_max[2] = {NEG_LARGE, NEG_LARGE}, row_sum[2] = {0.f, 0.f};
   const int n_tiles = (kv_len + BLOCK_N - 1) / BLOCK_N;
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = n % 2;
-    if (n + 1 < n_tiles) load_kv(kv_tiles, stage ^ 1, kv, table, (n + 1) * BLOCK_N, kv_len, num_kv_heads, kv_head, v_offset);
+  for (int n = first_tile; n < n_tiles; ++n) {
+    const int stage = (n - first_tile) % 2;
+    if (n + 1 < n_tiles) {
+      load_kv(kv_tiles, stage ^ 1, kv, table, (n + 1) * BLOCK_N, first_key, kv_len, num_kv_heads, kv_head, v_offset);
+    }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -112,7 +121,8 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = n * BLOCK_N + nt * 8 + pair + i % 2;
-        s[nt][i] = key <= limit[i / 2] ? s[nt][i] * scale_log2 : NEG_LARGE;
+        const bool visible = key >= low[i / 2] && key <= limit[i / 2];
+        s[nt][i] = visible ? capped(s[nt][i] * scale, softcap) * LOG2E : NEG_LARGE;  // exp(x) = exp2(x log2 e)
       }
     }
     float rescale[2];
@@ -148,9 +158,12 @@ extern "C" __global__ void paged_prefill_mma(scalar_t* __restrict__ out, const s
     const int row = warp * 16 + group + 8 * half, t = row / GROUP, g = row % GROUP;
     if (limit[half] < 0 || t >= tokens) continue;
     scalar_t* out_row = out + ((q_first + t) * num_kv_heads * GROUP + kv_head * GROUP + g) * HEAD_DIM;
+    float rescale;
+    const float denominator = with_sink(row_sum[half], row_max[half] * LN2, sinks, kv_head * GROUP + g, rescale);
+    const float factor = rescale / denominator;
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-      store_pair(out_row + dt * 8 + pair, pack_pair(o[dt][2 * half] / row_sum[half], o[dt][2 * half + 1] / row_sum[half]));
+      store_pair(out_row + dt * 8 + pair, pack_pair(o[dt][2 * half] * factor, o[dt][2 * half + 1] * factor));
     }
   }
 }

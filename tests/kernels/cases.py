@@ -20,6 +20,7 @@ import torch
 from kernels import AttentionMetadata, LayerAttention, TorchBackend, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from tests.devices import kernel_device
+from tests.kernels.references import null_before
 from tests.kernels.steps import Chunk, dtype_name, generator, make_metadata, slots_of
 
 DEVICE = kernel_device()  # the GPU, or the CPU for the kernels' emulator
@@ -114,6 +115,9 @@ class AttentionCase:
     fused: Fused  # this step's q, k, v
     meta: AttentionMetadata
     scale: float
+    # The kernels' metadata: meta, but with a window the null page in place of every page wholly before it,
+    # as the engine leaves a sequence's table once those pages have gone back to the pool.
+    kernel_meta: AttentionMetadata
 
 
 def attention_case(
@@ -126,7 +130,10 @@ def attention_case(
     dtype: torch.dtype,
     decode_max_len: int | None = None,
     offset: int = 0,
+    window: int = 0,
 ) -> AttentionCase:
+    """With a window, the kernels' pool also holds NaN in every slot before each chunk's first query's window,
+    and their block tables the (poisoned) null page for each page wholly before it."""
     gen = generator(seed)
     lengths = [*decode_lengths, *(cached + new for cached, new in prefills)]
     tables, num_pages = random_tables(gen, lengths, page_size)
@@ -138,23 +145,36 @@ def attention_case(
     poisoned = clean.clone()
     owned = {page for table in tables for page in table}
     poisoned[:, [page for page in range(num_pages) if page not in owned]] = NAN  # the null page included
-    for chunk in [*decodes, *chunks]:  # this step's slots, and the rest of the last page
-        rest = slots_of(chunk.pages, range(chunk.start, len(chunk.pages) * page_size), page_size)
-        poisoned.view(2, -1, KV_HEADS, head_dim)[:, on_device(rest)] = NAN
+    unseen = [max(0, chunk.start - window + 1) if window else 0 for chunk in [*decodes, *chunks]]
+    for chunk, before in zip([*decodes, *chunks], unseen, strict=True):
+        # this step's slots, the rest of the last page, and those before the window
+        rest = [*range(before), *range(chunk.start, len(chunk.pages) * page_size)]
+        poisoned.view(2, -1, KV_HEADS, head_dim)[:, on_device(slots_of(chunk.pages, rest, page_size))] = NAN
     tokens = len(decodes) + sum(chunk.count for chunk in chunks)
     fused = fused_qkv(gen, tokens, group * KV_HEADS, head_dim, dtype, offset)
     meta = make_metadata(decodes, chunks, page_size, DEVICE, decode_max_len)
-    return AttentionCase(clean, poisoned, fused, meta, head_dim**-0.5)
+    nulled = [
+        Chunk(null_before(c.pages, first, page_size), c.start, c.count)
+        for c, first in zip([*decodes, *chunks], unseen, strict=True)
+    ]
+    kernel_meta = make_metadata(
+        nulled[: len(decodes)], nulled[len(decodes) :], page_size, DEVICE, decode_max_len
+    )
+    return AttentionCase(clean, poisoned, fused, meta, head_dim**-0.5, kernel_meta)
 
 
-def run_attention(case: AttentionCase, backend: CupyBackend) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's KV written first, as the model does, then attention: the kernels on the poisoned pool,
-    the reference on the clean one. Returns (actual, expected)."""
+def run_attention(
+    case: AttentionCase, backend: CupyBackend, layer: LayerAttention | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's KV written first, as the model does, then attention as `layer` says (plain, at the case's
+    scale, by default): the kernels on the poisoned pool, the reference on the clean one. Returns (actual,
+    expected)."""
     q, k, v, meta = case.fused.q, case.fused.k, case.fused.v, case.meta
+    layer = layer or LayerAttention(case.scale)
     REFERENCE.write_kv(case.clean, k, v, meta.slot_mapping)
-    expected = REFERENCE.paged_attention(q, case.clean, meta, LayerAttention(case.scale))
+    expected = REFERENCE.paged_attention(q, case.clean, meta, layer)
     backend.write_kv(case.poisoned, k, v, meta.slot_mapping)
-    actual = backend.paged_attention(q, case.poisoned, meta, LayerAttention(case.scale))
+    actual = backend.paged_attention(q, case.poisoned, case.kernel_meta, layer)
     return actual, expected
 
 

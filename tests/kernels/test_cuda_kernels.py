@@ -12,10 +12,12 @@ On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kernels import cuda_ops
+from kernels import LayerAttention, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from kernels.launch import EMULATED_RESIDENT_BLOCKS
 from tests.kernels.cases import (
@@ -39,6 +41,7 @@ from tests.kernels.cases import (
     run_attention,
     same_bits,
 )
+from tests.kernels.references import varied_layers
 
 pytestmark = pytest.mark.cuda_kernels  # on a GPU, else in the emulator on the CPU: tests/devices.py
 
@@ -185,6 +188,29 @@ def test_attention_of_queries_off_16_bytes(backend: CupyBackend, dtype: torch.dt
     assert_close(actual, expected, dtype)
 
 
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_windows_softcaps_and_sinks(
+    backend: CupyBackend, dtype: torch.dtype, page_size: int, kind: str
+) -> None:
+    """Each layer variation (kernels.LayerAttention) in decodes of one partition and of several, and in
+    prefill chunks that start before, across and past the window. The kernels' pool holds NaN in every slot
+    before a window, and their block tables the null page for each page wholly before it."""
+    part = backend.tuning.min_partition
+    window = part + page_size + 3  # a window that starts mid-page and spans more than a partition
+    decode_lengths = [1, window - 1, window, window + 1, 3 * part + 7, 5 * page_size + 4]
+    prefills = [(0, window + 10), (window + 20, 7), (3, 5), (2 * window, 1)]
+    layer = varied_layers(generator(page_size), 64**-0.5, 4 * KV_HEADS, window)[kind]
+    if layer.sinks is not None:
+        layer = dataclasses.replace(layer, sinks=layer.sinks.to(DEVICE, dtype))
+    case = attention_case(11, decode_lengths, prefills, page_size, 64, 4, dtype, window=layer.window)
+
+    actual, expected = run_attention(case, backend, layer)
+
+    assert_close(actual, expected, dtype)
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-partition", "split-k"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_attention_wrappers_write_every_output_element(
@@ -205,9 +231,9 @@ def test_attention_wrappers_write_every_output_element(
         meta.block_tables[:n],
         meta.seq_lens[:n],
         meta.decode_max_len,
-        case.scale,
+        LayerAttention(case.scale),
         backend.tuning,
     )
-    cuda_ops.paged_prefill(out[n:], q[n:], case.poisoned, meta, case.scale, backend.tuning)
+    cuda_ops.paged_prefill(out[n:], q[n:], case.poisoned, meta, LayerAttention(case.scale), backend.tuning)
 
     assert_close(out, expected, dtype)

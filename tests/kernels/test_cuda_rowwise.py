@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import AttentionMetadata, cuda_ops
+from kernels import AttentionMetadata, LayerAttention, cuda_ops
 from kernels.cupy_backend import CupyBackend
 from kernels.tuning import Tuning
 from services.worker.models.decoder import rotary_table
@@ -160,26 +160,89 @@ BAD_CALLS: dict[str, Callable[[Tuning], object]] = {
         zeros(2, 8, 16, 2, 64)[:, ::2], zeros(3, 2, 64), zeros(3, 2, 64), index(3), t
     ),
     "decode-page-size-12": lambda t: cuda_ops.paged_decode(
-        zeros(2, 4, 64), zeros(2, 4, 64), zeros(2, 4, 12, 2, 64), index(2, 3), index(2), 16, 0.125, t
+        zeros(2, 4, 64),
+        zeros(2, 4, 64),
+        zeros(2, 4, 12, 2, 64),
+        index(2, 3),
+        index(2),
+        16,
+        LayerAttention(0.125),
+        t,
     ),
     "decode-head-dim-96": lambda t: cuda_ops.paged_decode(
-        zeros(2, 4, 96), zeros(2, 4, 96), zeros(2, 4, 16, 2, 96), index(2, 3), index(2), 16, 0.1, t
+        zeros(2, 4, 96),
+        zeros(2, 4, 96),
+        zeros(2, 4, 16, 2, 96),
+        index(2, 3),
+        index(2),
+        16,
+        LayerAttention(0.1),
+        t,
     ),
     "decode-17-query-heads-a-kv-head": lambda t: cuda_ops.paged_decode(
-        zeros(2, 17, 64), zeros(2, 17, 64), zeros(2, 4, 16, 1, 64), index(2, 3), index(2), 16, 0.125, t
+        zeros(2, 17, 64),
+        zeros(2, 17, 64),
+        zeros(2, 4, 16, 1, 64),
+        index(2, 3),
+        index(2),
+        16,
+        LayerAttention(0.125),
+        t,
     ),
     "decode-block-tables-not-contiguous": lambda t: cuda_ops.paged_decode(
-        zeros(2, 4, 64), zeros(2, 4, 64), zeros(*POOL), index(2, 6)[:, ::2], index(2), 16, 0.125, t
+        zeros(2, 4, 64),
+        zeros(2, 4, 64),
+        zeros(*POOL),
+        index(2, 6)[:, ::2],
+        index(2),
+        16,
+        LayerAttention(0.125),
+        t,
     ),
     "decode-out-not-contiguous": lambda t: cuda_ops.paged_decode(
-        zeros(4, 4, 64)[::2], zeros(2, 4, 64), zeros(*POOL), index(2, 3), index(2), 16, 0.125, t
+        zeros(4, 4, 64)[::2],
+        zeros(2, 4, 64),
+        zeros(*POOL),
+        index(2, 3),
+        index(2),
+        16,
+        LayerAttention(0.125),
+        t,
     ),
     "prefill-int32-positions": lambda t: cuda_ops.paged_prefill(
         zeros(3, 4, 64),
         zeros(3, 4, 64),
         zeros(*POOL),
         prefill_meta(prefill_pos=index(3, dtype=torch.int32)),
-        0.1,
+        LayerAttention(0.1),
+        t,
+    ),
+    "decode-sinks-of-another-length": lambda t: cuda_ops.paged_decode(
+        zeros(2, 4, 64),
+        zeros(2, 4, 64),
+        zeros(*POOL),
+        index(2, 3),
+        index(2),
+        16,
+        LayerAttention(0.1, sinks=zeros(2)),
+        t,
+    ),
+    "prefill-sinks-in-float32": lambda t: cuda_ops.paged_prefill(
+        zeros(3, 4, 64),
+        zeros(3, 4, 64),
+        zeros(*POOL),
+        prefill_meta(),
+        LayerAttention(0.1, sinks=zeros(4, dtype=torch.float32)),
+        t,
+    ),
+    "decode-negative-window": lambda t: cuda_ops.paged_decode(
+        zeros(2, 4, 64),
+        zeros(2, 4, 64),
+        zeros(*POOL),
+        index(2, 3),
+        index(2),
+        16,
+        LayerAttention(0.1, window=-1),
         t,
     ),
     "rms_norm-x-strided": lambda t: cuda_ops.rms_norm(zeros(4, 256)[:, ::2], zeros(128), EPS, None, t),
