@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import ExpertWeights, KernelBackend, Routing, TorchBackend  # noqa: E402
 from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
-from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
@@ -79,7 +78,7 @@ def bench_experts(ops: ModuleType, rows: list[int]) -> None:
 
 def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
     spec = model.spec
-    kv = LocalKVCache(PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16), 2048)
+    kv = LocalKVCache(spec.pool_shape("float32", 16), 2048)
     engine = EngineCore(model, kv, EngineConfig(max_batched_tokens=4096, max_num_seqs=64))
     rng = random.Random(0)
     options = SamplingOptions(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)

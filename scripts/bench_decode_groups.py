@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels import TorchBackend  # noqa: E402
-from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
@@ -47,7 +46,7 @@ def main() -> int:
     grouped, padded = TorchBackend(), TorchBackend(group_cost=ONE_GROUP)
     model = load_model(default_model_dir(), dtype=torch.float32, device=torch.device("cpu"), backend=grouped)
     spec = model.spec
-    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
+    shape = spec.pool_shape("float32", 16)
     kv = LocalKVCache(shape, 3 * 2**30 // shape.page_bytes)
     engine = EngineCore(model, kv, EngineConfig(max_num_seqs=args.requests, prefix_caching=False))
     options = SamplingOptions(max_tokens=10**6, temperature=0.0, ignore_eos=True)

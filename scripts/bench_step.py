@@ -30,7 +30,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
@@ -79,7 +78,7 @@ def build_model(args: argparse.Namespace, device: torch.device, folder: Path) ->
 def build_engine(args: argparse.Namespace, model: CausalLM, scheduling: str) -> EngineCore:
     spec, device = model.spec, model.device
     dtype = "bfloat16" if device.type == "cuda" else "float32"  # as build_model loads it
-    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, PAGE)
+    shape = spec.pool_shape(dtype, PAGE)
     pages = args.batch * (-(-(args.prompt + args.steps + 16) // PAGE)) + 8
     kv = LocalKVCache(shape, pages, device=device)
     config = EngineConfig(

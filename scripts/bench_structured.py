@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from memory_daemon.shape import PoolShape  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
@@ -73,7 +72,7 @@ class MaskTimer:
 
 def engine(model: CausalLM, grammars: Grammars, page_size: int, overlap: bool) -> EngineCore:
     spec = model.spec
-    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", page_size)
+    shape = spec.pool_shape("float32", page_size)
     kv = LocalKVCache(shape, KV_BYTES // shape.page_bytes, model_id="bench", device=torch.device("cpu"))
     config = EngineConfig(prefix_caching=False, overlap_grammar=overlap)
     return EngineCore(model, kv, config, grammars=grammars)

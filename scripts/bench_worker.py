@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from memory_daemon.shape import PoolShape  # noqa: E402
 from pagedserve.plumbing.rpc import wait_for_health  # noqa: E402
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
@@ -153,7 +152,7 @@ def engine_throughputs(
     """Output tokens/s of the engine core on an in-process pool and on the daemon's, stepped in turn, and
     of a real worker process over gRPC; and the two cores' step logs."""
     spec = model.spec
-    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16)
+    shape = spec.pool_shape("float32", 16)
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     daemon_address = f"unix:{run_dir}/daemon.sock"
     daemon = subprocess.Popen(

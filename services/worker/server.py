@@ -15,7 +15,6 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from kernels import KernelBackend, TorchBackend
 from kernels.cpu_backend import CpuBackend, cpu_ops
-from memory_daemon.shape import PoolShape
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
@@ -73,7 +72,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     spec = model.spec
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(config.torch_dtype).removeprefix("torch.")
-    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, config.page_size)  # type: ignore[arg-type]
+    shape = spec.pool_shape(dtype_name, config.page_size)  # type: ignore[arg-type]
     attach = None
     if config.daemon_address is None:
         kv: KVCache = LocalKVCache(

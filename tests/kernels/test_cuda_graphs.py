@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kernels.cupy_backend import CupyBackend
-from memory_daemon.shape import PoolShape
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.batch import build_batch
@@ -54,7 +53,8 @@ def decode_item(gen: torch.Generator, key: int, length: int, pages: Seq[int], vo
     """A running sequence of `length` tokens, all but the last one cached: its step is a decode."""
     tokens = torch.randint(3, vocab, (length,), generator=gen).tolist()
     seq = Sequence(key, EngineRequest(tuple(tokens), SamplingOptions()), arrival=key)
-    seq.pages, seq.num_computed = list(pages), length - 1  # as a running decode's
+    seq.add_pages(list(pages), 1)
+    seq.num_computed = length - 1  # as a running decode's
     return ScheduledSeq(seq, length - 1, 1)
 
 
@@ -83,7 +83,7 @@ def test_decode_graphs_replay_the_eager_forward(
     for lengths in batches:
         items = [decode_item(gen, key, n, next(pages), spec.vocab_size) for key, n in enumerate(lengths)]
         batch = build_batch(items, page_size, DEVICE)
-        eager = model.forward(batch.input_ids, batch.positions, batch.meta, pool, batch.logits_indices)
+        eager = model.forward(batch.input_ids, batch.positions, batch.metas, pool, batch.logits_indices)
         pool_before = pool.clone()
 
         replayed = graphs.run(batch)
@@ -109,7 +109,7 @@ def test_an_async_decode_step_launches_with_no_host_sync(backend: CupyBackend, g
     the device; the tokens are those of steps run one by one."""
     model = load_model(graph_model_dir, dtype=torch.bfloat16, device=DEVICE, backend=backend)
     spec = model.spec
-    shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "bfloat16", 16)
+    shape = spec.pool_shape("bfloat16", 16)
     options = SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     gen = generator(12)
     prompts = [torch.randint(3, spec.vocab_size, (n,), generator=gen).tolist() for n in (5, 40, 130)]

@@ -36,7 +36,6 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kernels import KernelBackend, TorchBackend
 from kernels.cpu_backend import CpuBackend, cpu_ops
-from memory_daemon.shape import PoolShape
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
@@ -59,7 +58,7 @@ def test_a_step_stuck_past_the_floor_is_reported_and_clears_when_it_ends(tmp_pat
     cpu = torch.device("cpu")
     model = load_model(folder, dtype=torch.float32, device=cpu, backend=TorchBackend())
     spec = model.spec
-    kv = LocalKVCache(PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 16), 64)
+    kv = LocalKVCache(spec.pool_shape("float32", 16), 64)
     core = EngineCore(model, kv, EngineConfig())
     loop = Engine(core)
     release = threading.Event()
@@ -98,7 +97,7 @@ class Family:
 
     def engine(self, num_pages: int = 256, max_batched_tokens: int = 64, page_size: int = 16) -> EngineCore:
         spec = self.model.spec
-        shape = PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", page_size)
+        shape = spec.pool_shape("float32", page_size)
         kv = LocalKVCache(shape, num_pages)
         return EngineCore(
             self.model,
@@ -199,9 +198,13 @@ def test_batch_of_different_lengths_with_chunked_prefill(
 
 def test_preemption_by_recompute(family: Family, check_pages: list[EngineCore]) -> None:
     batch = prompts(30, 33, 36, seed=2)  # each ends near 60 tokens: 4 pages of 16; the pool has 9
-    # A model whose every layer slides holds at most 3 of them a sequence: the pool has 5.
-    windowed = all(family.model.spec.windows)
-    engine = family.engine(num_pages=6 if windowed else 10, max_batched_tokens=128)
+    # A model whose every layer slides holds at most 3 of them a sequence: the pool has 5. One with full and
+    # sliding layers has a block table for each of its G groups of layers: the first two prompts' 5 G
+    # pages fill its pool, and the first to need a page takes the second's.
+    spec = family.model.spec
+    groups = spec.kv_groups.count
+    num_pages = 6 if all(spec.windows) else 10 if groups == 1 else 1 + 5 * groups
+    engine = family.engine(num_pages=num_pages, max_batched_tokens=128)
     check_pages.append(engine)
     outputs = run(engine, batch)
     assert engine.scheduler.preemptions > 0
@@ -222,7 +225,7 @@ def test_prefix_cache_hit(family: Family, check_pages: list[EngineCore]) -> None
     again = run(engine, [shared])[0]
     assert again[-1].cached_prompt_tokens == 48  # the last page is left to compute: 50 = 3 * 16 + 2
     assert tokens(again) == tokens(first)
-    assert engine.kv.stats().prefix_hits == 2
+    assert engine.kv.stats().prefix_hits == 2 * family.model.spec.kv_groups.count  # a lookup a group
 
 
 def test_logprobs_are_close(family: Family, check_pages: list[EngineCore]) -> None:
@@ -285,17 +288,29 @@ def test_long_rope_past_the_original_context(
         assert tokens(outputs[key]) == family.reference(prompt)[0], f"prompt {key} ({len(prompt)} tokens)"
 
 
+@pytest.mark.parametrize(
+    ("name", "windows"),
+    [("mistral-window", (28,)), ("gemma2-softcap", (0, 24)), ("gemma3-local-global", (0, 20, 20))],
+)
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
 @pytest.mark.parametrize("scheduling", ["off", "on"])
-def test_a_sliding_window_model_gives_back_the_pages_before_its_window(
-    kernels: str, scheduling: Literal["on", "off"], tmp_path: Path, check_pages: list[EngineCore]
+def test_sliding_layers_give_back_the_pages_before_their_window(
+    name: str,
+    windows: tuple[int, ...],
+    kernels: str,
+    scheduling: Literal["on", "off"],
+    tmp_path: Path,
+    check_pages: list[EngineCore],
 ) -> None:
-    """Every layer of mistral-window sees 28 tokens: decoding to 220 tokens, a sequence holds 3 pages of 16
-    at most (the window's, and the one its next token goes to), not 14, and its tokens stay transformers'.
+    """Decoding to 220 tokens, the block table of each group of sliding layers (windows of 20 to 28 tokens)
+    holds 3 pages of 16 at most (the window's, and the one its next token goes to), and that of each group of
+    full layers all 14; the tokens stay transformers'. mistral-window's layers all slide (one group); Gemma
+    2's alternate (a group of each), and Gemma 3's are sliding, full, sliding (three groups of one layer).
     (A prefill chunk holds its own pages too, beside the window's.)"""
-    folder = make_model("mistral-window", tmp_path)
+    folder = make_model(name, tmp_path)
     model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels))
     family = Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), scheduling)
+    assert model.spec.kv_groups.windows == windows  # each group's
     (prompt,) = prompts(196, seed=8)
     engine = family.engine(max_batched_tokens=64)
     check_pages.append(engine)
@@ -303,9 +318,15 @@ def test_a_sliding_window_model_gives_back_the_pages_before_its_window(
     outputs, held = [], []
     while engine.has_unfinished():
         outputs += engine.step()
-        held += [len(seq.held_pages) for seq in engine.scheduler.running if seq.num_computed > len(prompt)]
+        held += [
+            [len(table) - dropped for table, dropped in zip(seq.tables, seq.dropped, strict=True)]
+            for seq in engine.scheduler.running
+            if seq.num_computed > len(prompt)
+        ]
     assert tokens(outputs) == family.reference(prompt)[0]
-    assert max(held) <= 3 < -(-(196 + NEW_TOKENS) // 16)
+    most = [max(pages[group] for pages in held) for group in range(len(windows))]
+    total = -(-(196 + NEW_TOKENS - 1) // 16)  # the pages of every token but the last, which is not computed
+    assert most == [3 if window else total for window in windows]
     assert engine.scheduler.running == [] and engine.kv_slots() == (0, 0)
 
 
@@ -331,7 +352,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
     folder: Path = make_model("llama", tmp_path_factory.mktemp("llama"))
     model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend())
     spec = model.spec
-    kv = LocalKVCache(PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", 4), 128)
+    kv = LocalKVCache(spec.pool_shape("float32", 4), 128)
     return EngineCore(model, kv, EngineConfig(max_batched_tokens=64, max_num_seqs=8))
 
 
@@ -393,9 +414,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
 
 def make_engine(model: CausalLM, scheduling: str, num_pages: int = 128, page_size: int = 4) -> EngineCore:
     spec = model.spec
-    kv = LocalKVCache(
-        PoolShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, "float32", page_size), num_pages
-    )
+    kv = LocalKVCache(spec.pool_shape("float32", page_size), num_pages)
     config = EngineConfig(max_batched_tokens=32, max_num_seqs=8, async_scheduling=scheduling)  # type: ignore[arg-type]
     return EngineCore(model, kv, config)
 

@@ -1,126 +1,36 @@
-"""The scheduler, driven step by step without a model.
+"""The scheduler, driven step by step without a model (tests/unit/scheduling.py has the tiny pool and the
+fake model step).
 
-Each test runs the scheduler over a tiny in-process pool (4 tokens a page, refills of exactly one page),
-so page counts are exact. `step` stands in for the model only: it samples one fake token for every chunk
-that samples, and hands them to the scheduler's own postprocess, as the engine core does.
-
-Sections: the pool and fake step helpers; token budget and chunked prefill; admission by rank; prefix
-caching on admission; preemption by recompute; sequences the pool cannot hold; finish() and the stop
-rules postprocess applies; a grammar's compile (COMPILING); a launched step's tokens; and a random
-workload that keeps every rule and exact page accounting.
+Sections: token budget and chunked prefill; admission by rank; prefix caching on admission (a hybrid
+model's groups too); preemption by recompute; sequences the pool cannot hold; finish() and the stop rules
+postprocess applies; a grammar's compile (COMPILING); and a launched step's tokens.
 """
 
 from __future__ import annotations
 
-import random
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import pytest
-import torch
 
-from memory_daemon.refill import RefillSettings
-from memory_daemon.shape import PoolShape
 from pagedserve.plumbing.errors import InvalidArgument
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.common.structured import Constraint
-from services.worker.core.model_runner import StepInFlight
-from services.worker.core.sampler import Draw, Samples
-from services.worker.core.scheduler import ScheduledSeq, Scheduler
+from services.worker.core.sampler import Samples
+from services.worker.core.scheduler import Scheduler
 from services.worker.core.sequence import FinishReason, Sequence, Status
-from services.worker.kv.local import LocalKVCache
-
-# A tiny pool and a fake model step --------------------------------------------------------------------------
-
-PAGE_SIZE = 4
-SHAPE = PoolShape(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", page_size=PAGE_SIZE)
-FAKE_TOKEN = 1000  # sampled tokens are FAKE_TOKEN + their position: never a prompt token here
-
-Item = tuple[str, int, int, bool]  # (key, start, count, samples) of one scheduled chunk
-
-
-@dataclass(frozen=True)
-class Step:
-    items: list[Item]  # what the schedule ran, in order
-    dropped: list[str]  # plan.ended: ended by the scheduler, the pool cannot hold them alone
-    done: list[str]  # finished after sampling, at their max_tokens
-
-
-def make_kv(usable_pages: int) -> LocalKVCache:
-    """A pool of `usable_pages` pages (plus the null page) that leases one page at a time."""
-    return LocalKVCache(SHAPE, usable_pages + 1, refill=RefillSettings(min_pages=1, max_pages=1))
-
-
-def make_scheduler(
-    kv: LocalKVCache, *, max_batched_tokens: int = 64, max_num_seqs: int = 8, prefix_caching: bool = True
-) -> Scheduler:
-    return Scheduler(
-        kv, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching
-    )
-
-
-def prompt(length: int, first: int = 0) -> list[int]:
-    return list(range(first, first + length))
-
-
-def make_seq(
-    key: str, tokens: list[int], *, max_tokens: int, priority: int = 0, arrival: int = 0
-) -> Sequence:
-    request = EngineRequest(tuple(tokens), SamplingOptions(max_tokens=max_tokens), priority=priority)
-    return Sequence(key, request, arrival)
-
-
-def launch(scheduler: Scheduler, items: list[ScheduledSeq]) -> StepInFlight:
-    """Commit the scheduled items as the model runner's next step, with no model: the test supplies the
-    step's samples to postprocess."""
-    no_draw = Draw(torch.empty(0, dtype=torch.long), [], [], frozenset(), (), None)
-    sampled = [item.seq for item in items if item.samples]
-    epochs = [item.seq.epoch for item in items]
-    step = StepInFlight(scheduler.launched + 1, items, epochs, sampled, no_draw, 0, [])
-    scheduler.commit(step)
-    return step
-
-
-def step(scheduler: Scheduler) -> Step:
-    """Schedule once, sample a fake token for each chunk that samples, and postprocess."""
-    plan = scheduler.schedule()
-    items = [(str(item.seq.key), item.start, item.count, item.samples) for item in plan.items]
-    sampled = [item.seq for item in plan.items if item.samples]
-    tokens = [FAKE_TOKEN + seq.num_tokens for seq in sampled]
-    outputs = scheduler.postprocess(launch(scheduler, plan.items), Samples(tokens, [None] * len(tokens)))
-    assert [output.token_ids for output in outputs] == [[token] for token in tokens]
-    done = [str(output.key) for output in outputs if output.finish_reason is not None]
-    assert all(output.finish_reason is FinishReason.LENGTH for output in outputs if str(output.key) in done)
-    return Step(items, [str(output.key) for output in plan.ended], done)
-
-
-def run_until_idle(scheduler: Scheduler, max_steps: int = 100) -> list[Step]:
-    steps: list[Step] = []
-    while scheduler.running or scheduler.num_waiting:
-        assert len(steps) < max_steps, "the scheduler made no progress"
-        steps.append(step(scheduler))
-    return steps
-
-
-def held_pages(kv: LocalKVCache) -> int:
-    """Pages the worker holds for sequences: its own in use, plus references on shared ones."""
-    usage = kv.usage()
-    return usage.in_use_pages + usage.referenced_pages
-
-
-def assert_settled(kv: LocalKVCache) -> None:
-    """No page is held for a sequence, the books are exact, and closing the lease leaves the pool settled."""
-    usage = kv.usage()
-    assert (usage.in_use_pages, usage.referenced_pages) == (0, 0)
-    counts = kv.stats()
-    assert counts.leased_pages == usage.idle_pages  # only the local free list is still leased
-    assert counts.free_pages + counts.evictable_pages + counts.leased_pages == counts.total_pages
-    kv.ledger.check_invariants()
-    kv.close()  # the idle pages go back
-    assert kv.stats().settled
-    kv.ledger.check_invariants()
-
+from tests.unit.scheduling import (
+    FAKE_TOKEN,
+    assert_settled,
+    held_pages,
+    launch,
+    make_kv,
+    make_scheduler,
+    make_seq,
+    prompt,
+    run_until_idle,
+    step,
+)
 
 # Token budget and chunked prefill ---------------------------------------------------------------------------
 
@@ -306,6 +216,42 @@ def test_a_sequence_that_cannot_be_admitted_drops_its_prefix_references() -> Non
 
     assert [s.items for s in run_until_idle(scheduler)] == [[("reuse", 8, 5, True)]]
     assert reuse.cached_prompt_tokens == 8
+    assert_settled(kv)
+
+
+def test_a_hybrid_model_keeps_a_table_per_group_and_finds_only_its_windows_pages() -> None:
+    """Layers in two groups, full (0) and sliding over 6 tokens (1): each sequence has a block table per
+    group, pages taken in pairs; the sliding table gives back its pages out of the window as the sequence
+    runs (the null page in their place), and a later request finds its prefix with the full group's pages from
+    the first one and the sliding group's from its window on, whether or not the earlier ones are still in
+    the cache."""
+    kv = make_kv(40)
+    scheduler = Scheduler(kv, max_batched_tokens=64, max_num_seqs=8, windows=(0, 6))
+    first = make_seq("first", prompt(21), max_tokens=2)
+    scheduler.add(first)
+    plan = scheduler.schedule()  # the prompt: 6 pages for each group
+    page_3 = first.tables[1][3]
+    scheduler.postprocess(launch(scheduler, plan.items), Samples([FAKE_TOKEN], [None]))
+    # The next token's window is positions 16..21: pages 0..3 of the sliding group are back.
+    assert [len(table) for table in first.tables] == [6, 6] and first.dropped == [0, 4]
+    assert first.tables[1][:4] == [0] * 4 and first.held_pages == first.tables[0] + first.tables[1][4:]
+    assert held_pages(kv) == 8
+    first_pages = [table[:5] for table in first.tables]  # the full ones, published: the sliding group's too
+    run_until_idle(scheduler)
+    assert held_pages(kv) == 0
+
+    second = make_seq("second", prompt(21) + prompt(6, first=500), max_tokens=1)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    # Found: the 5 full pages of the shared 21 tokens; of the sliding group's, only pages 3 and 4, which the
+    # window from position 20 on sees (20 - 6 + 1 = 15 is on page 3), though pages 0..2 are still cached.
+    assert second.cached_prompt_tokens == 20 and second.dropped == [0, 3]
+    assert second.tables[0][:5] == first_pages[0] and second.tables[1][:4] == [0] * 3 + [page_3]
+    assert second.tables[1][4] == first_pages[1][4]
+    assert [len(table) for table in second.tables] == [7, 7]  # and 2 new pages each, for tokens 20..26
+    assert held_pages(kv) == 7 + 4
+    scheduler.postprocess(launch(scheduler, plan.items), Samples([FAKE_TOKEN], [None]))
+    run_until_idle(scheduler)
     assert_settled(kv)
 
 
@@ -626,59 +572,4 @@ def test_a_sequence_the_pool_cannot_hold_alone_gets_its_token_in_flight_first() 
     plan = scheduler.schedule()
     assert [output.key for output in plan.ended] == [seq.key] and seq.finish_reason is FinishReason.LENGTH
     assert seq.tokens == [*prompt(3), 1003, 1004]
-    assert_settled(kv)
-
-
-# A random workload ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_a_random_workload_keeps_every_rule_and_exact_page_accounting(seed: int) -> None:
-    rng = random.Random(seed)
-    usable = rng.randint(3, 10)
-    kv = make_kv(usable)
-    scheduler = make_scheduler(
-        kv,
-        max_batched_tokens=rng.randint(1, 16),
-        max_num_seqs=rng.randint(1, 4),
-        prefix_caching=rng.random() < 0.7,
-    )
-    prefixes = [prompt(rng.randint(0, 12), first=100 * i) for i in range(3)]  # shared prompt heads
-    seqs: dict[str, Sequence] = {}
-    for arrival in range(12):
-        length = rng.randint(1, usable * PAGE_SIZE - 1)  # what Engine.submit accepts: room for one output
-        head = rng.choice(prefixes)[:length]
-        tokens = head + [rng.randint(0, 99) for _ in range(length - len(head))]
-        seq = make_seq(
-            str(arrival), tokens, max_tokens=rng.randint(1, 8), priority=rng.randint(0, 2), arrival=arrival
-        )
-        seqs[str(arrival)] = seq
-        scheduler.add(seq)
-
-    for _ in range(500):
-        live = [seq for seq in seqs.values() if seq.status is not Status.FINISHED]
-        if not live:
-            break
-        if rng.random() < 0.03:
-            scheduler.finish(rng.choice(live), FinishReason.ABORT)
-        running_before = list(scheduler.running)
-        result = step(scheduler)
-
-        scheduled = [seqs[key] for key, *_ in result.items]
-        assert sum(count for *_, count, _ in result.items) <= scheduler.max_batched_tokens
-        assert len(set(map(id, scheduled))) == len(scheduled)
-        assert len(scheduler.running) <= scheduler.max_num_seqs
-        for seq in running_before:
-            if seq.status is Status.WAITING and seq not in scheduled:  # preempted: nothing worse ran
-                assert all(other.rank < seq.rank for other in scheduled), (seq.key, result.items)
-        for seq in scheduler.running:
-            assert len(seq.pages) == -(-seq.num_computed // PAGE_SIZE)
-            assert seq.num_shared <= seq.num_computed // PAGE_SIZE
-        for seq in seqs.values():
-            if seq.status is not Status.RUNNING:
-                assert (seq.pages, seq.num_computed, seq.num_shared) == ([], 0, 0)
-        assert held_pages(kv) == sum(len(seq.pages) for seq in scheduler.running)
-        kv.ledger.check_invariants()
-    assert all(seq.status is Status.FINISHED for seq in seqs.values()), "the workload did not finish"
-    assert not scheduler.running and scheduler.num_waiting == 0
     assert_settled(kv)

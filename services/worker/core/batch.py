@@ -22,10 +22,15 @@ class ForwardBatch:
     items: list[ScheduledSeq]  # in batch order: single-token chunks (decodes) first
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    metas: tuple[AttentionMetadata, ...]  # one for each group of layers: they differ in slots and tables
     logits_indices: torch.Tensor  # [N + P]: the last token of each chunk that samples, then the scored ones
     sampling: list[ScheduledSeq]  # those N chunks, in the same order
     scored: list[tuple[Sequence, int]]  # P prompt positions to score: their sequence, and the next token
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        """Group 0's metadata: what every group's shares (lengths, positions) is read here."""
+        return self.metas[0]
 
     @property
     def num_tokens(self) -> int:
@@ -33,27 +38,33 @@ class ForwardBatch:
 
 
 def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device) -> ForwardBatch:
+    """The step's inputs, with the metadata of each group of the model's layers (services.worker.kv.groups),
+    of which every sequence has a block table."""
     ordered = sorted(items, key=lambda item: item.count != 1)  # stable: decodes first, in schedule order
+    groups = len(ordered[0].seq.tables)
     num_decodes = sum(item.count == 1 for item in ordered)
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(groups)]
     seq_lens: list[int] = []
     query_start = [0]
     for item in ordered:
         seq, end = item.seq, item.start + item.count
         input_ids += seq.tokens[item.start : end]
         positions += item.positions
-        pages = seq.pages
-        slots += [pages[p // page_size] * page_size + p % page_size for p in item.positions]
+        for group, table in enumerate(seq.tables):
+            slots[group] += [table[p // page_size] * page_size + p % page_size for p in item.positions]
         seq_lens.append(end)
         query_start.append(query_start[-1] + item.count)
     prefill = [
         (row, p) for row, item in enumerate(ordered[num_decodes:], num_decodes) for p in item.positions
     ]
     prefill_seq, prefill_pos = [row for row, _ in prefill], [p for _, p in prefill]
-    width = max(len(item.seq.pages) for item in ordered)
-    tables = [page for item in ordered for page in item.seq.pages + [0] * (width - len(item.seq.pages))]
+    width = max(item.seq.num_pages for item in ordered)
+    tables = [
+        [page for item in ordered for page in item.seq.tables[group] + [0] * (width - item.seq.num_pages)]
+        for group in range(groups)
+    ]
     sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
     scored, scored_at = _prompt_positions(ordered, query_start)
     logits_indices = [query_start[i + 1] - 1 for i, _ in sampling] + scored_at
@@ -61,34 +72,37 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     parts = [
         input_ids,
         positions,
-        slots,
-        tables,
         seq_lens,
         query_start,
         prefill_seq,
         prefill_pos,
         logits_indices,
+        *slots,
+        *tables,
     ]
     flat = to_device([value for part in parts for value in part], torch.long, device)
     views = flat.split([len(part) for part in parts])
-    meta = AttentionMetadata(
-        slot_mapping=views[2],
-        block_tables=views[3].view(len(ordered), width),
-        seq_lens=views[4],
-        query_start=views[5],
-        num_decodes=num_decodes,
-        seq_lens_host=tuple(seq_lens),
-        query_start_host=tuple(query_start),
-        prefill_seq=views[6],
-        prefill_pos=views[7],
-        decode_max_len=max(seq_lens[:num_decodes], default=0),
+    metas = tuple(
+        AttentionMetadata(
+            slot_mapping=views[7 + group],
+            block_tables=views[7 + groups + group].view(len(ordered), width),
+            seq_lens=views[2],
+            query_start=views[3],
+            num_decodes=num_decodes,
+            seq_lens_host=tuple(seq_lens),
+            query_start_host=tuple(query_start),
+            prefill_seq=views[4],
+            prefill_pos=views[5],
+            decode_max_len=max(seq_lens[:num_decodes], default=0),
+        )
+        for group in range(groups)
     )
     return ForwardBatch(
         items=ordered,
         input_ids=views[0],
         positions=views[1],
-        meta=meta,
-        logits_indices=views[8],
+        metas=metas,
+        logits_indices=views[6],
         sampling=[item for _, item in sampling],
         scored=scored,
     )

@@ -38,8 +38,9 @@ class DecodeGraphs:
         pages = -(-self.max_len // page_size)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(largest, pages, dtype=torch.long, device=device)
+        groups = model.spec.kv_groups.count  # a slot mapping and block tables for each group of layers
+        self.slot_mapping = torch.full((groups, largest), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(groups, largest, pages, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.long, device=device)
         self.rows = torch.arange(largest + 1, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -47,8 +48,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            meta = self._meta(size)
-            args = (self.input_ids[:size], self.positions[:size], meta, self.kv, self.rows[:size])
+            metas = self._metas(size)
+            args = (self.input_ids[:size], self.positions[:size], metas, self.kv, self.rows[:size])
             self.model.forward(*args)  # warm up: kernels compiled and loaded outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -73,27 +74,31 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.input_ids[:seqs].copy_(batch.input_ids)
         self.positions[:seqs].copy_(batch.positions)
-        self.slot_mapping[:seqs].copy_(meta.slot_mapping)
-        self.slot_mapping[seqs:size].fill_(-1)
-        self.block_tables[:size].zero_()
-        self.block_tables[:seqs, :width].copy_(meta.block_tables)
+        self.slot_mapping[:, seqs:size].fill_(-1)
+        self.block_tables[:, :size].zero_()
+        for group, group_meta in enumerate(batch.metas):
+            self.slot_mapping[group, :seqs].copy_(group_meta.slot_mapping)
+            self.block_tables[group, :seqs, :width].copy_(group_meta.block_tables)
         self.seq_lens[:seqs].copy_(meta.seq_lens)
         self.seq_lens[seqs:size].fill_(1)
         graph, logits = self._graphs[size]
         graph.replay()
         return logits[:seqs]
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _metas(self, size: int) -> tuple[AttentionMetadata, ...]:
         empty = self.rows[:0]
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            query_start=self.rows[: size + 1],
-            num_decodes=size,
-            seq_lens_host=(self.max_len,) * size,
-            query_start_host=tuple(range(size + 1)),
-            prefill_seq=empty,
-            prefill_pos=empty,
-            decode_max_len=self.max_len,
+        return tuple(
+            AttentionMetadata(
+                slot_mapping=self.slot_mapping[group, :size],
+                block_tables=self.block_tables[group, :size],
+                seq_lens=self.seq_lens[:size],
+                query_start=self.rows[: size + 1],
+                num_decodes=size,
+                seq_lens_host=(self.max_len,) * size,
+                query_start_host=tuple(range(size + 1)),
+                prefill_seq=empty,
+                prefill_pos=empty,
+                decode_max_len=self.max_len,
+            )
+            for group in range(len(self.slot_mapping))
         )

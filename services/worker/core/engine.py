@@ -71,7 +71,7 @@ class EngineCore:
             prefix_caching=config.prefix_caching,
             eos_token_ids=spec.eos_token_ids,
             max_model_len=spec.max_model_len,
-            reach=max(spec.windows) if all(spec.windows) else 0,
+            windows=spec.kv_groups.windows,
         )
         self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
         self.limits = ModelLimits(spec.vocab_size, spec.max_model_len)
@@ -189,7 +189,8 @@ class EngineCore:
         running = self.scheduler.running
         size = self.kv.page_size
         allocated = sum(len(seq.held_pages) for seq in running) * size
-        return allocated, sum(seq.num_computed - seq.num_dropped * size for seq in running)
+        used = sum(seq.num_computed - dropped * size for seq in running for dropped in seq.dropped)
+        return allocated, used
 
     def _schedule(self) -> Plan:
         plan = self.scheduler.schedule()

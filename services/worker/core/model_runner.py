@@ -93,7 +93,7 @@ class ModelRunner:
         logits = self.graphs.run(batch) if self.graphs is not None and not batch.scored else None
         if logits is None:  # a prefill, a batch larger than any graph, or no graphs
             logits = self.model.forward(
-                batch.input_ids, batch.positions, batch.meta, self.kv.kv, batch.logits_indices
+                batch.input_ids, batch.positions, batch.metas, self.kv.kv, batch.logits_indices
             )
         masks = filling.result() if filling is not None else None
         return StepInFlight(

@@ -23,6 +23,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memory_daemon.lease import NULL_PAGE
 from pagedserve.plumbing.errors import FailedPrecondition, StatusError
 from services.worker.core.sequence import (
     PENDING,
@@ -32,6 +33,7 @@ from services.worker.core.sequence import (
     Status,
 )
 from services.worker.kv.base import KVCache
+from services.worker.kv.groups import group_key
 
 if TYPE_CHECKING:
     from services.worker.core.model_runner import StepInFlight
@@ -79,17 +81,18 @@ class Scheduler:
         prefix_caching: bool = True,
         eos_token_ids: Iterable[int] = (),
         max_model_len: int = 1 << 62,
-        reach: int = 0,
+        windows: tuple[int, ...] = (0,),
     ) -> None:
-        """reach: how many tokens back the model's widest attention window sees (its own included), or 0
-        when some layer sees the whole sequence; the pages wholly before it go back as a sequence runs."""
+        """windows: each group of the model's layers' window (services.worker.kv.groups), 0 for full
+        attention; a sequence has a block table per group, and a sliding group's pages wholly before its
+        window go back as the sequence runs."""
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.reach = reach
+        self.windows = windows
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished sequence, by key
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
@@ -274,24 +277,35 @@ class Scheduler:
         )
 
     def publish_full_pages(self, seq: Sequence, computed: int) -> None:
-        """Offer the full pages of the first `computed` tokens, those not offered yet, to the prefix cache."""
+        """Offer the full pages of the first `computed` tokens, those not offered yet, to the prefix cache:
+        each group's under its own keys; only group 0's with their tokens, for the index's events."""
         full = computed // self.kv.page_size
         if self.prefix_caching and full > seq.num_shared:
             size = self.kv.page_size
-            keys = seq.page_keys(full, size)
-            parent = keys[seq.num_shared - 1] if seq.num_shared else seq.cache_root
+            keys = seq.page_keys(full, size)[seq.num_shared :]
+            parent = seq.page_keys(seq.num_shared, size)[-1] if seq.num_shared else seq.cache_root
             tokens = seq.tokens[seq.num_shared * size : full * size] if seq.announced else []
-            self.kv.publish(
-                keys[seq.num_shared :], seq.pages[seq.num_shared : full], parent=parent, tokens=tokens
-            )
+            for group, table in enumerate(seq.tables):
+                self.kv.publish(
+                    [group_key(key, group) for key in keys],
+                    table[seq.num_shared : full],
+                    parent=group_key(parent, group),
+                    tokens=[] if group else tokens,
+                )
             seq.num_shared = full
             seq.published_mark = self.kv.published
 
+    def _out_of_window(self, group: int, computed: int) -> int:
+        """How many of a group's leading pages no query from position `computed` on sees."""
+        window = self.windows[group]
+        return max(0, computed - window + 1) // self.kv.page_size if window else 0
+
     def _drop_out_of_reach(self, seq: Sequence, computed: int) -> None:
-        """Give back the pages that no query from position `computed` on can see (published already, so a
-        later request may still find them in the prefix cache)."""
-        if self.reach:
-            self._free(seq.drop_pages(max(0, computed - self.reach + 1) // self.kv.page_size))
+        """Give back each sliding group's pages that no query from position `computed` on can see (published
+        already, so a later request may still find them in the prefix cache)."""
+        for group in range(len(seq.tables)):
+            if self.windows[group]:
+                self._free(seq.drop_pages(group, self._out_of_window(group, computed)))
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why the sequence ends with this token, its last known one; None if it goes on."""
@@ -315,14 +329,36 @@ class Scheduler:
         heapq.heappush(self._waiting, (seq.rank, seq))
 
     def _match_prefix(self, seq: Sequence) -> None:
+        """Take the longest run of leading pages the prefix cache holds for every group: a full group's
+        from the first page on, a sliding group's only those its window still sees (pages before it may be
+        gone from the cache)."""
+        size = self.kv.page_size
         # At least one token must be computed, to have logits to sample from.
-        limit = (seq.num_tokens - 1) // self.kv.page_size
-        if limit == 0:
-            return
-        pages = self.kv.lookup(seq.page_keys(limit, self.kv.page_size))
-        seq.pages = pages
-        seq.num_shared = len(pages)
-        seq.num_computed = len(pages) * self.kv.page_size
+        count = (seq.num_tokens - 1) // size
+        keys = seq.page_keys(count, size)
+        held: list[tuple[int, list[int]]] = [(0, []) for _ in self.windows]  # per group: (first, pages)
+        while count > 0:  # each pass takes the match, or shortens it
+            for group, (first, pages) in enumerate(held):
+                need = self._out_of_window(group, count * size)
+                if first <= need and first + len(pages) >= count:  # what it holds covers the need
+                    self.kv.free(pages[: need - first] + pages[count - first :])
+                    held[group] = (need, pages[need - first : count - first])
+                else:
+                    self.kv.free(pages)
+                    held[group] = (need, self.kv.lookup([group_key(key, group) for key in keys[need:count]]))
+            # Each group holds its pages from `first` to first + len(pages): the shortest end is the most
+            # every group may serve (the next pass checks each group's window at it).
+            reach = min(first + len(pages) for first, pages in held)
+            if reach == count:
+                break
+            count = reach
+        if count > 0:
+            seq.tables = [[NULL_PAGE] * first + pages for first, pages in held]
+            seq.dropped = [first for first, _ in held]
+        else:
+            self.kv.free([page for _, pages in held for page in pages])
+        seq.num_shared = count
+        seq.num_computed = count * size
         if seq.preemptions == 0:
             seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
 
@@ -330,11 +366,12 @@ class Scheduler:
         self, seq: Sequence, count: int, *, protected: list[ScheduledSeq], may_preempt: bool = True
     ) -> bool:
         """Hold enough pages for `count` more tokens, preempting worse running sequences if allowed."""
-        need = -(-(seq.num_computed + count) // self.kv.page_size) - len(seq.pages)
+        need = -(-(seq.num_computed + count) // self.kv.page_size) - seq.num_pages
+        groups = len(self.windows)
         while need > 0:
-            pages = self.kv.allocate(need)
+            pages = self.kv.allocate(need * groups)
             if pages is not None:
-                seq.pages += pages
+                seq.add_pages(pages, groups)
                 return True
             if self._held and may_preempt:
                 raise _PagesHeld

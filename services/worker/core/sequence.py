@@ -65,8 +65,10 @@ class Sequence:
         self.compiling = grammar  # until its grammar is taken (`take_grammar`)
         self.grammar: GrammarState | None = None  # its structured output's matcher, once compiled
         self.status = Status.COMPILING if grammar is not None else Status.WAITING
-        self.pages: list[int] = []  # the block table
-        self.num_dropped = 0  # leading pages given back, out of every layer's reach (the null page there)
+        # A block table per group of layers (services.worker.kv.groups), all of one length; empty until it
+        # holds pages.
+        self.tables: list[list[int]] = []
+        self.dropped: list[int] = []  # per group: leading pages given back, out of its window (the null page)
         self.num_computed = 0  # leading tokens whose KV is in the pool
         self.num_shared = 0  # leading pages that are shared: published, or found in the prefix cache
         self.cached_prompt_tokens = 0  # prompt tokens the first admission found in the prefix cache
@@ -112,22 +114,43 @@ class Sequence:
         return self._keys[:count]
 
     @property
-    def held_pages(self) -> list[int]:
-        """The pages it holds: its block table but for the pages it dropped."""
-        return self.pages[self.num_dropped :]
+    def pages(self) -> list[int]:
+        """Group 0's block table: a one-group model's only one."""
+        return self.tables[0] if self.tables else []
 
-    def drop_pages(self, count: int) -> list[int]:
-        """Give up its first `count` pages (those not dropped yet), leaving the null page in their place;
-        returns the pages given up."""
-        dropped = self.pages[self.num_dropped : count]
-        self.pages[self.num_dropped : count] = [NULL_PAGE] * len(dropped)
-        self.num_dropped = max(self.num_dropped, count)
+    @property
+    def num_pages(self) -> int:
+        """The length of each of its block tables."""
+        return len(self.pages)
+
+    @property
+    def held_pages(self) -> list[int]:
+        """The pages it holds: its block tables but for the pages it dropped."""
+        return [
+            page for table, dropped in zip(self.tables, self.dropped, strict=True) for page in table[dropped:]
+        ]
+
+    def add_pages(self, pages: list[int], groups: int) -> None:
+        """Extend each of its `groups` block tables by an equal share of `pages`, in group order."""
+        if not self.tables:
+            self.tables, self.dropped = [[] for _ in range(groups)], [0] * groups
+        share = len(pages) // groups
+        for group, table in enumerate(self.tables):
+            table += pages[group * share : (group + 1) * share]
+
+    def drop_pages(self, group: int, count: int) -> list[int]:
+        """Give up the first `count` pages of a group's table (those not dropped yet), leaving the null page
+        in their place; returns the pages given up."""
+        table, first = self.tables[group], self.dropped[group]
+        dropped = table[first:count]
+        table[first:count] = [NULL_PAGE] * len(dropped)
+        self.dropped[group] = max(first, count)
         return dropped
 
     def reset(self) -> None:
         """Forget the KV (after preemption): the tokens stay and are recomputed on readmission."""
-        self.pages = []
-        self.num_dropped = 0
+        self.tables = []
+        self.dropped = []
         self.num_computed = 0
         self.num_shared = 0
         self.status = Status.WAITING

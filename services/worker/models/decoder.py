@@ -3,6 +3,7 @@ steps (the embedding, a block, its attention and MLP, the logits) a family overr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -61,21 +62,24 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: its weights, how its attention works, and its rotary table."""
+    """One decoder layer: its weights, how its attention works, its rotary table, and where its KV lives:
+    its group's block tables (services.worker.kv.groups), at its slot of the group's pages."""
 
     index: int
     weights: LayerWeights
     attention: LayerAttention
     cos_sin: torch.Tensor
+    group: int
+    slot: int
 
 
 @dataclass(frozen=True)
 class Step:
-    """What every layer of one forward pass shares: the tokens' positions [T], the attention metadata,
-    and the KV pool [L, 2, P, B, Hkv, D]."""
+    """What every layer of one forward pass shares: the tokens' positions [T], the attention metadata of
+    each group of layers, and the KV pool [layers a page holds, 2, P, B, Hkv, D]."""
 
     positions: torch.Tensor
-    meta: AttentionMetadata
+    metas: Sequence[AttentionMetadata]
     kv: torch.Tensor
 
 
@@ -92,13 +96,15 @@ class CausalLM:
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
         tables: dict[str, torch.Tensor] = {}  # one for each set of rotary parameters the layers use
+        groups = spec.kv_groups
         self.layers = []
         for i, layer in enumerate(weights.layers):
             kind = self.layer_type(i)
             key = repr(sorted(rope_parameters(spec.hf_config, kind).items()))
             if key not in tables:
                 tables[key] = rotary_table(spec, self.device, self.dtype, kind)
-            self.layers.append(Layer(i, layer, self.layer_attention(i), tables[key]))
+            place = (groups.group_of[i], groups.slot_of[i])
+            self.layers.append(Layer(i, layer, self.layer_attention(i), tables[key], *place))
         kv_width = spec.num_kv_heads * spec.head_dim
         self._split = [spec.num_heads * spec.head_dim, kv_width, kv_width]
 
@@ -139,15 +145,16 @@ class CausalLM:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
         kv: torch.Tensor,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run T tokens through the model, writing their KV into kv, the pool [L, 2, P, B, Hkv, D].
+        """Run T tokens through the model, writing their KV into kv, the pool [layers a page holds, 2, P,
+        B, Hkv, D], as metas (one for each group of layers, spec.kv_groups) say.
 
         input_ids, positions: [T]. Returns fp32 logits [len(logits_indices), V] for the rows asked for.
         """
-        step = Step(positions, meta, kv)
+        step = Step(positions, metas, kv)
         hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
@@ -184,9 +191,9 @@ class CausalLM:
         if w.q_norm is not None:
             q, k = self.norm_qk(w, q, k)
         q, k = be.rotary(q, k, step.positions, layer.cos_sin)
-        kv_layer = step.kv[layer.index]
-        be.write_kv(kv_layer, k, v, step.meta.slot_mapping)
-        attn = be.paged_attention(q, kv_layer, step.meta, layer.attention)
+        kv_layer, meta = step.kv[layer.slot], step.metas[layer.group]
+        be.write_kv(kv_layer, k, v, meta.slot_mapping)
+        attn = be.paged_attention(q, kv_layer, meta, layer.attention)
         return be.linear(attn.view(tokens, -1), w.o, w.o_bias)
 
     def norm_qk(self, w: LayerWeights, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

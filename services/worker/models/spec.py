@@ -8,6 +8,9 @@ from typing import Any
 
 from transformers import GenerationConfig, PretrainedConfig
 
+from memory_daemon.shape import DType, PoolShape
+from services.worker.kv.groups import KVGroups, kv_groups
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -40,6 +43,15 @@ class ModelSpec:
         mlp = 3 * self.hidden_size * self.intermediate_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp) + embeddings
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """How its layers share pool pages: one group, unless some layers slide and others do not."""
+        return kv_groups(self.windows)
+
+    def pool_shape(self, dtype: DType, page_size: int) -> PoolShape:
+        """The shape of a pool for it: a page holds one group of its layers."""
+        return PoolShape(self.kv_groups.size, self.num_kv_heads, self.head_dim, dtype, page_size)
 
     @classmethod
     def from_hf(
