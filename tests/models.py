@@ -62,6 +62,8 @@ FAMILIES: dict[str, PretrainedConfig] = {
     "qwen2-bias": Qwen2Config(**_COMMON, tie_word_embeddings=False),
     "qwen3-qknorm": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False),
     "phi3-fused": Phi3Config(**_COMMON, tie_word_embeddings=False),
+    # Phi-4-mini's partial rotary: 12 of each head's 16 dims turn.
+    "phi3-partial": Phi3Config(**_COMMON, tie_word_embeddings=False, partial_rotary_factor=0.75),
     "olmo2-postnorm": Olmo2Config(**_COMMON, tie_word_embeddings=False),
     "granite-multipliers": GraniteConfig(
         **_COMMON,
@@ -137,6 +139,20 @@ VARIANTS: dict[str, PretrainedConfig] = {
             "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.1 * i for i in range(8)],
             "long_factor": [1.0 + 0.7 * i for i in range(8)],
+        },
+    ),
+    # Phi-4-mini's rotary: Long RoPE over 12 of each head's 16 dims.
+    "phi3-longrope-partial": Phi3Config(
+        **_COMMON,
+        tie_word_embeddings=False,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [1.0 + 0.7 * i for i in range(6)],
         },
     ),
 }

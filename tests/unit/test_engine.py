@@ -272,12 +272,14 @@ def test_a_request_resumed_after_a_failover_goes_on_exactly(
     assert tokens(engine.run_until_done()) == expected[9:]
 
 
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi3-longrope-partial"])
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
 def test_long_rope_past_the_original_context(
-    kernels: str, tmp_path: Path, check_pages: list[EngineCore]
+    name: str, kernels: str, tmp_path: Path, check_pages: list[EngineCore]
 ) -> None:
-    """Phi-3's long factors, for prompts longer than its original context of 64, alone and in one batch."""
-    folder = make_model("phi3-longrope", tmp_path)
+    """Phi-3's long factors, for prompts longer than its original context of 64, alone and in one batch; and
+    Phi-4-mini's, over part of each head."""
+    folder = make_model(name, tmp_path)
     model = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=backend(kernels))
     family = Family(model, AutoModelForCausalLM.from_pretrained(folder).eval(), "off")
     batch = prompts(70, 100, 130, seed=7)

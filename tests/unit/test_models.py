@@ -66,8 +66,8 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(llama: Path) -> None:
 
 
 def test_rotary_this_code_does_not_compute_is_refused(llama: Path) -> None:
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    with pytest.raises(ValueError, match="partial_rotary_factor below 1 is not supported"):
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.1875}  # 3 of 16 dims
+    with pytest.raises(ValueError, match="partial rotary over 3 of 16 dims: both parts must be even"):
         load(llama, rope_parameters=rope)
     with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
         load(llama, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})

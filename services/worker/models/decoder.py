@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention, Routing
-from services.worker.models.spec import ModelSpec
+from services.worker.models.spec import ModelSpec, partial_rotary_factor, rope_parameters, rotary_dim
 from services.worker.models.weights import LayerWeights, Weights
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -24,6 +24,9 @@ def rotary_table(
 ) -> torch.Tensor:
     """cos and sin of every position, [max_model_len, 2, D], computed as transformers computes them, for
     the layers of layer_type where the config gives each its own (Gemma 3: "sliding_attention").
+
+    With partial rotary (spec.rotary_dim < D), the table is for heads laid out as weights.rotary_order has
+    them: the dims rotary leaves alone get a cos of 1 and a sin of 0.
 
     Long RoPE (Phi-3) has a short and a long set of factors, and transformers picks the long one for a
     forward pass that reaches past original_max_position_embeddings. A paged cache keeps keys rotated once,
@@ -38,7 +41,8 @@ def rotary_table(
     )
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
+        dims = spec.rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float) / dims))
         scaling = 1.0
     else:
         init = ROPE_INIT_FUNCTIONS[rope_type]
@@ -46,18 +50,11 @@ def rotary_table(
         inv_freq, scaling = init(config, torch.device("cpu"), **seq_len, **per_type)
     positions = torch.arange(spec.max_model_len, dtype=torch.float)
     freqs = positions[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    table = torch.stack((angles.cos() * scaling, angles.sin() * scaling), dim=1)
+    unturned = (spec.head_dim - spec.rotary_dim) // 2
+    cos = torch.cat((freqs.cos() * scaling, torch.ones(len(positions), unturned)), dim=-1)
+    sin = torch.cat((freqs.sin() * scaling, torch.zeros(len(positions), unturned)), dim=-1)
+    table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)), dim=1)
     return table.to(device=device, dtype=dtype)
-
-
-def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
-    """The config's rotary parameters (those of layer_type's layers, where each type has its own)."""
-    # transformers 5 calls it rope_parameters; 4.x had rope_scaling beside rope_theta.
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    if layer_type is not None and isinstance(rope.get(layer_type), dict):
-        return dict(rope[layer_type])
-    return rope
 
 
 @dataclass(frozen=True)
@@ -123,8 +120,15 @@ class CausalLM:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type not in ROPE_TYPES:
                 raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are)")
-            if rope.get("partial_rotary_factor", 1.0) != 1.0:
-                raise ValueError("a partial_rotary_factor below 1 is not supported: rotary turns whole heads")
+            if kind is not None and rope.get("partial_rotary_factor") not in (
+                None,
+                partial_rotary_factor(config),
+            ):
+                raise ValueError("partial rotary that differs between layer types is not supported")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        turned = rotary_dim(config, head_dim)
+        if turned <= 0 or turned % 2 or (head_dim - turned) % 2:
+            raise ValueError(f"partial rotary over {turned} of {head_dim} dims: both parts must be even")
 
     def layer_type(self, i: int) -> str:
         """Layer i's kind, as the config's layer_types name it."""

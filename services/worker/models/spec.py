@@ -25,6 +25,7 @@ class ModelSpec:
     rms_norm_eps: float
     tie_word_embeddings: bool
     qk_norm: bool  # queries and keys are normalized before rotary (Qwen3, OLMo 2)
+    rotary_dim: int  # the leading dims of each head that rotary turns: head_dim, or fewer (partial rotary)
     max_model_len: int  # positions the worker serves
     windows: tuple[int, ...]  # each layer's sliding window; 0 where it attends fully
     eos_token_ids: tuple[int, ...]
@@ -70,11 +71,32 @@ class ModelSpec:
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qk_norm=qk_norm,
+            rotary_dim=rotary_dim(config, head_dim),
             max_model_len=config.max_position_embeddings,
             windows=layer_windows(config),
             eos_token_ids=eos_token_ids,
             hf_config=config,
         )
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The config's rotary parameters (those of layer_type's layers, where each type has its own)."""
+    # transformers 5 calls it rope_parameters; 4.x had rope_scaling beside rope_theta.
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        return dict(rope[layer_type])
+    return rope
+
+
+def partial_rotary_factor(config: PretrainedConfig) -> float:
+    """The share of each head that rotary turns: 1, unless the config has partial rotary (Phi-4-mini), at its
+    top or among its rotary parameters."""
+    return rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+
+
+def rotary_dim(config: PretrainedConfig, head_dim: int) -> int:
+    """The leading dims of each head that rotary turns."""
+    return int(head_dim * partial_rotary_factor(config))
 
 
 def layer_windows(config: PretrainedConfig) -> tuple[int, ...]:

@@ -114,6 +114,8 @@ def weights_from_state_dict(
         )
         if spec.qk_norm and layers[-1].q_norm is None:
             raise KeyError(f"layer {i} has no q_norm weight, which {spec.model_type} needs")
+        if spec.rotary_dim < spec.head_dim:
+            _lay_out_for_partial_rotary(layers[-1], spec)
     embed = take("model.embed_tokens.weight")
     lm_head = maybe("lm_head.weight")
     if spec.tie_word_embeddings:
@@ -157,6 +159,35 @@ def _experts(
             down=torch.stack([take(f"{n}{down}.weight") for n in names]),
         )
     raise KeyError(f"the checkpoint has no {layer}mlp.gate_proj.weight, nor a router for experts")
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's dims in the order the kernels' half-split rotary turns partial rotary's: transformers turns
+    dims i and i + rotary_dim / 2 of the leading rotary_dim together, the kernels i and i + head_dim / 2; so
+    each half holds one half of the turned dims, then one half of the others."""
+    turned, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = [*range(turned), *range(rotary_dim, rotary_dim + rest)]
+    second = [*range(turned, rotary_dim), *range(rotary_dim + rest, head_dim)]
+    return torch.tensor(first + second)
+
+
+def _lay_out_for_partial_rotary(layer: LayerWeights, spec: ModelSpec) -> None:
+    """Permute each query and key head's dims as rotary_order says (and their Q/K norms): queries and keys
+    permuted alike give the same scores, and values are left as they are."""
+    order = rotary_order(spec.head_dim, spec.rotary_dim)
+    q_heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = torch.cat([head * d + order for head in range(q_heads + kv_heads)])  # q heads, then k heads
+    turned = slice(0, (q_heads + kv_heads) * d)
+    layer.qkv = layer.qkv.clone()
+    layer.qkv[turned] = layer.qkv[rows.to(layer.qkv.device)]
+    if layer.qkv_bias is not None:
+        layer.qkv_bias = layer.qkv_bias.clone()
+        layer.qkv_bias[turned] = layer.qkv_bias[rows.to(layer.qkv.device)]
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(layer, name)
+        if norm is not None:  # [D] per head, or [heads D]
+            heads = norm.numel() // d
+            setattr(layer, name, norm.view(heads, d)[:, order.to(norm.device)].reshape(norm.shape))
 
 
 def _required(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
