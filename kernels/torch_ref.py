@@ -31,14 +31,7 @@ def moe_reference(x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> 
     """`KernelBackend.moe` as transformers computes it (routing in fp32), one GEMM pair per expert over
     the tokens routed to it, so that each chosen expert's weights are read once a step. The tokens' counts
     per expert go to the host: it does not run inside a CUDA graph."""
-    logits = F.linear(x, experts.router, experts.router_bias).float()
-    if routing.softmax_of_top:
-        top, chosen = torch.topk(logits, routing.top_k, dim=-1)  # [T, k] each
-        weights = top.softmax(dim=-1)
-    else:
-        weights, chosen = torch.topk(logits.softmax(dim=-1), routing.top_k, dim=-1)
-        if routing.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+    weights, chosen = route(x, experts, routing)
     flat = chosen.flatten()
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, each group in token order
     counts = torch.bincount(flat, minlength=experts.router.shape[0]).tolist()
@@ -54,6 +47,19 @@ def moe_reference(x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> 
         y = F.linear(gated(gate_up, routing), experts.down[expert], _row(experts.down_bias, expert))
         out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(out.dtype))
     return out
+
+
+def route(x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts as routing says, from the router's logits in fp32: (their weights [T, k]
+    float32, the experts [T, k] int64). Torch ops on x's device, with no host sync."""
+    logits = F.linear(x, experts.router, experts.router_bias).float()
+    if routing.softmax_of_top:
+        top, chosen = torch.topk(logits, routing.top_k, dim=-1)  # [T, k] each
+        return top.softmax(dim=-1), chosen
+    weights, chosen = torch.topk(logits.softmax(dim=-1), routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
 
 
 def gated(gate_up: torch.Tensor, routing: Routing) -> torch.Tensor:
