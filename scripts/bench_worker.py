@@ -212,7 +212,7 @@ def hf_throughputs(model_dir: Path, prompts: list[list[int]], out_len: int) -> d
 def print_gemm_share(model: CausalLM, steps: list[Step]) -> None:
     """The engine's model FLOP/s beside torch's GEMM rate at the same shapes, overall and by phase."""
     spec = model.spec
-    if not model.graph_safe:  # its experts' GEMMs take the tokens routed to each: no fixed shapes to time
+    if any(layer.experts is not None for layer in model.weights.layers):  # GEMMs over each expert's tokens
         print("\nmodel FLOP/s: not reported for a mixture of experts")
         return
     gemm = {shape: gemm_seconds(model, *shape) for shape in {(tokens, rows) for tokens, rows, _ in steps}}

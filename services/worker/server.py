@@ -99,8 +99,8 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         *(model_dir, spec.model_type, parameters, config.device, dtype_name, kv.num_pages - 1, where),
     )
     graphs = None
-    if device.type == "cuda" and config.cuda_graphs and not model.graph_safe:
-        log.info("no CUDA graphs: %s's experts run the torch reference, which syncs", spec.model_type)
+    if device.type == "cuda" and config.cuda_graphs and backend.name != "cupy":
+        log.info("no CUDA graphs: the %s kernels read the step's lengths on the host", backend.name)
     elif device.type == "cuda" and config.cuda_graphs:
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from kernels.cuda_experts import CUDA_TILES
 from kernels.cuda_ops import HEAD_DIMS, PAGE_SIZES
 from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, TENSOR_CORE, compile_cubin, compile_ptx
 from kernels.resources import read_resources
@@ -95,3 +96,9 @@ def test_attention_kernels_do_not_spill(arch: str, name: str, group: int) -> Non
     assert set(frames.values()) == {0}, frames
     stacks = {function: usage.min_stack_size for function, usage in functions.items() if usage.kernel}
     assert set(stacks.values()) <= {None, 0}, stacks
+
+
+@pytest.mark.parametrize(("arch", "dtype"), list(itertools.product(ARCHS, DTYPE_MACROS.values())))
+def test_the_experts_grouped_gemms_compile_with_the_cuda_tiles(arch: str, dtype: str) -> None:
+    cubin, _ = compile_cubin("moe", arch, {dtype: 1, **CUDA_TILES.macros})
+    assert cubin[:4] == b"\x7fELF"

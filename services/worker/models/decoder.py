@@ -139,11 +139,6 @@ class CausalLM:
         sinks = self.weights.layers[i].sinks
         return LayerAttention(self.spec.head_dim**-0.5, window=self.spec.windows[i], sinks=sinks)
 
-    @property
-    def graph_safe(self) -> bool:
-        """Whether a decode step can run in a CUDA graph: none of its ops reads the device from the host."""
-        return all(layer.experts is None for layer in self.weights.layers)
-
     @torch.inference_mode()
     def forward(
         self,
