@@ -2,12 +2,30 @@
 
 `backend` defines what a model needs from its kernels: paged attention (prefill over a cached prefix plus a
 new chunk, and decode, each layer's as its `LayerAttention` says: sliding window, softcap, sinks), the KV
-write through a slot mapping, RMSNorm fused with the residual add, rotary embedding, SiLU-and-mul and a
-mixture of experts. `torch_ref` implements it with plain torch on any device, the CPU included; it
-is also the reference the CuPy kernels are tested against.
+write through a slot mapping, RMSNorm fused with the residual add, rotary embedding, SiLU-and-mul, linear
+layers (whose weight may be quantized to 8 bits, `QuantizedWeight`) and a mixture of experts. `torch_ref`
+implements it with plain torch on any device, the CPU included; it is also the reference the CuPy and C++
+kernels are tested against.
 """
 
-from kernels.backend import AttentionMetadata, ExpertWeights, KernelBackend, LayerAttention, Routing
+from kernels.backend import (
+    AttentionMetadata,
+    ExpertWeights,
+    KernelBackend,
+    LayerAttention,
+    QuantizedWeight,
+    Routing,
+    Weight,
+)
 from kernels.torch_ref import TorchBackend
 
-__all__ = ["AttentionMetadata", "ExpertWeights", "KernelBackend", "LayerAttention", "Routing", "TorchBackend"]
+__all__ = [
+    "AttentionMetadata",
+    "ExpertWeights",
+    "KernelBackend",
+    "LayerAttention",
+    "QuantizedWeight",
+    "Routing",
+    "TorchBackend",
+    "Weight",
+]

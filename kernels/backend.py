@@ -64,6 +64,26 @@ class LayerAttention:
         return self.window == 0 and self.softcap == 0 and self.sinks is None
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's weight in 8 bits a value: data * scale[:, None], one scale an output row (a weight
+    quantized per channel, or one whose single per-tensor scale is repeated over its rows)."""
+
+    data: torch.Tensor  # [N, K] int8 or float8_e4m3fn
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight it stands for, [N, K]: exact in float32."""
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+
+Weight = torch.Tensor | QuantizedWeight  # a linear layer's weight, as the backends' linear takes it
+
+
 @dataclass
 class ExpertWeights:
     """A mixture of E experts: the router and each expert's gated MLP (biases where the model has them)."""
@@ -130,8 +150,9 @@ class KernelBackend(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2 * I] holds gate then up; returns silu(gate) * up, [T, I]."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] W^T [K, N] (+ bias [N]): F.linear."""
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] W^T [K, N] (+ bias [N]): F.linear. A quantized weight's product is taken in float32
+        (x widened, the weight dequantized) and rounded to x's dtype once."""
 
     def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
         """A mixture of experts over x [T, H]: each token goes to its top experts as routing says, and gets

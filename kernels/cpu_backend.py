@@ -1,19 +1,24 @@
-"""The CPU backend: the torch reference, with decode attention, the elementwise steps, the few-row GEMM and
-the mixture of experts in C++.
+"""The CPU backend: the torch reference, with paged attention, the elementwise steps, the few-row GEMM and
+the mixture of experts in C++, in float32 or bfloat16 (computed in float32), and linear layers whose weights
+are int8 or float8.
 
 The torch reference gathers every decoding sequence's pages into a copy, every layer, every step, and
 zeroes the stale tail of each last page so that a masked softmax cannot meet a NaN; on a CPU that costs
-more than the attention itself. `kernels/cpu/paged_decode.cpp` reads each K and V row where it lies, only
-up to the sequence's length. `kernels/cpu/elementwise.cpp` does RMSNorm (with the residual add), rotary and
-the SiLU gate in one pass each, where torch makes a temporary for every operator.
+more than the attention itself. `kernels/cpu/paged_decode.cpp` and `paged_prefill.cpp` read each K and V
+row where it lies, only up to the sequence's length. `kernels/cpu/elementwise.cpp` does RMSNorm (with the
+residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for every operator.
+
+GEMMs of a decode step's few rows stream their weight once through `skinny_linear.cpp`, widening bfloat16,
+int8 or float8 to float32 in registers (vdpbf16ps instead, where kernels/cpu_features.py saw it run). More
+rows go to torch: oneDNN for bfloat16 on a CPU that runs it in hardware (AMX or AVX512-BF16), MKL in float32
+otherwise, with a bfloat16 or quantized weight widened to float32 first.
 
 The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into
 cpu-kernels/ in the cache folder, or $PAGEDSERVE_CPU_KERNELS: the first start takes a minute or more on a
 few cores, says so, and later starts load the build. An image has no compiler: its build ran `python -m
 kernels.cpu_backend x86-64-v3 x86-64-v4` (Dockerfile) into $PAGEDSERVE_CPU_KERNELS, and the worker loads
 the best of those levels that its CPU runs. Where there is no build it can run and none can be made, the
-worker runs the torch reference and says why. Prefill attention, other dtypes and CUDA tensors take the
-reference.
+worker runs the torch reference and says why. Other dtypes and CUDA tensors take the reference.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, Routing
-from kernels.torch_ref import TorchBackend
+from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, QuantizedWeight, Routing, Weight
+from kernels.cpu_features import CpuFeatures
+from kernels.torch_ref import TorchBackend, quantized_linear
 from pagedserve.plumbing.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -44,13 +51,24 @@ log = logging.getLogger(__name__)
 # Up to this many rows, a GEMM reads its weight faster through skinny_linear than through MKL, which is
 # slower at 2-16 rows than at 1 (scripts/bench_cpu_ops.py measures both).
 SKINNY_ROWS = 16
+# An int8 or float8 weight takes skinny_linear for more rows: widening it there, a few rows at a time, costs
+# less than widening all of it for MKL (scripts/bench_quantized.py).
+QUANTIZED_SKINNY_ROWS = 128
 
 CSRC = Path(__file__).parent / "cpu"
 SOURCES = [
     CSRC / name
-    for name in ("paged_decode.cpp", "elementwise.cpp", "skinny_linear.cpp", "moe.cpp", "bindings.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "paged_prefill.cpp",
+        "elementwise.cpp",
+        "skinny_linear.cpp",
+        "moe.cpp",
+        "features.cpp",
+        "bindings.cpp",
+    )
 ]
-HEADERS = [CSRC / "checks.h"]
+HEADERS = [CSRC / "checks.h", CSRC / "floats.h"]
 # The x86-64 levels (GCC's -march names) an image ships, worst first, each with the flags /proc/cpuinfo
 # must show for a CPU to run it; "native" is this CPU's own.
 _V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
@@ -204,9 +222,13 @@ def main(targets: list[str]) -> None:
 class CpuBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, features: CpuFeatures | None = None) -> None:
+        """features: what this CPU was seen to run (kernels.cpu_features); None assumes no bfloat16
+        arithmetic, whose paths are right on any CPU."""
         super().__init__()
         self._ops = ops
+        self._dot_bf16 = features is not None and features.avx512_bf16.usable
+        self._native_bf16 = features is not None and features.native_bf16
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -227,10 +249,20 @@ class CpuBackend(TorchBackend):
             return super().silu_and_mul(x)
         return self._ops.silu_and_mul(x)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] > SKINNY_ROWS or not _ours(x):
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not _ours(x):
             return super().linear(x, weight, bias)
-        return self._ops.skinny_linear(x, weight, bias)
+        rows = x.shape[0]
+        if isinstance(weight, QuantizedWeight):
+            if rows > QUANTIZED_SKINNY_ROWS:
+                return quantized_linear(x, weight, bias)
+            return self._ops.skinny_linear(x, weight.data, weight.scale, bias, False)
+        if rows <= SKINNY_ROWS:
+            return self._ops.skinny_linear(x, weight, None, bias, self._dot_bf16)
+        if x.dtype == torch.bfloat16 and not self._native_bf16:
+            wide = None if bias is None else bias.float()
+            return F.linear(x.float(), weight.float(), wide).to(x.dtype)
+        return F.linear(x, weight, bias)
 
     def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
         if not _ours(x):
@@ -251,6 +283,30 @@ class CpuBackend(TorchBackend):
             r.swiglu_alpha,
         )
 
+    def paged_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
+    ) -> torch.Tensor:
+        if not _ours(q):
+            return super().paged_attention(q, kv_layer, meta, layer)
+        n = meta.num_decodes  # the decodes' n queries come first, a token each
+        if n == q.shape[0]:
+            return self._decode_all(q, kv_layer, meta, layer)
+        out = torch.empty_like(q)
+        if n:
+            out[:n] = self._decode_all(q[:n], kv_layer, meta, layer)
+        sinks = None if layer.sinks is None else layer.sinks.float()
+        out[n:] = self._ops.paged_prefill(
+            *(
+                q[n:].contiguous(),
+                kv_layer,
+                meta.block_tables[n:],
+                meta.seq_lens[n:],
+                meta.query_start[n:] - n,
+            ),
+            *(layer.scale, layer.window, layer.softcap, sinks),
+        )
+        return out
+
     def _decode_all(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
     ) -> torch.Tensor:
@@ -265,8 +321,8 @@ class CpuBackend(TorchBackend):
 
 
 def _ours(x: torch.Tensor) -> bool:
-    """The C++ ops take float32 CPU tensors; the reference takes the rest."""
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    """The C++ ops take float32 and bfloat16 CPU tensors; the reference takes the rest."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cuda_experts, cuda_ops
-from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, Routing
+from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, QuantizedWeight, Routing, Weight
+from kernels.torch_ref import quantized_linear
 from kernels.tuning import tuning_for
 
 EMULATED_ARCH = 90
@@ -56,7 +57,9 @@ class CupyBackend:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return cuda_ops.silu_and_mul(x, self.tuning)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # dequantized each call: correct, not fast
+            return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)  # cuBLAS
 
     def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:

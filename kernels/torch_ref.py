@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, Routing
+from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, QuantizedWeight, Routing, Weight
 
 # What one more decode group costs a layer (its gather, mask and attention calls), in padded token slots
 # that it saves from being gathered and attended to: about 5 ms a step against 14 us a slot on this CPU.
@@ -47,6 +47,12 @@ def moe_reference(x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> 
         y = F.linear(gated(gate_up, routing), experts.down[expert], _row(experts.down_bias, expert))
         out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(out.dtype))
     return out
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) of a quantized weight, in float32 and rounded to x's dtype once."""
+    wide = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.dequantize(), wide).to(x.dtype)
 
 
 def route(x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +155,9 @@ class TorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     moe = staticmethod(moe_reference)

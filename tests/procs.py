@@ -85,11 +85,17 @@ def start_daemon(
     return DaemonProcess(service.proc, address, service.log_path, shm_dir)
 
 
+def float32_unless_told(extra: tuple[str, ...]) -> tuple[str, ...]:
+    """The tests compare tokens with transformers in float32, and `--dtype auto` picks bfloat16 on a CPU that
+    runs it in hardware: a worker's dtype is float32 unless a test asks for another."""
+    return extra if "--dtype" in extra else (*extra, "--dtype", "float32")
+
+
 def start_worker(run_dir: Path, daemon_address: str, *extra: str, name: str = "worker") -> ServiceProcess:
     """Start `pagedserve worker` against a daemon, on a unix socket in run_dir."""
     address = f"unix:{run_dir}/{name}.sock"
     command = [sys.executable, "-m", "services.cli", "worker", "--name", name, "--address", address]
-    command += ["--daemon", daemon_address, *extra]
+    command += ["--daemon", daemon_address, *float32_unless_told(extra)]
     return start_service(command, address, run_dir / f"{name}.log")
 
 
@@ -202,7 +208,7 @@ def launch_stack(run_dir: Path, *extra: str, host: str = "127.0.0.1") -> Stack:
     """Start `pagedserve up` on a free port, bound to host, and return at once; clients use loopback."""
     port = str(free_port())
     command = [sys.executable, "-m", "services.cli", "up", "--host", host, "--port", port]
-    command += ["--run-dir", str(run_dir / "run"), *extra]
+    command += ["--run-dir", str(run_dir / "run"), *float32_unless_told(extra)]
     log_path = run_dir / "up.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

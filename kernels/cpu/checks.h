@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 
 namespace pagedserve {
 
@@ -18,6 +19,13 @@ inline void check_cpu(const torch::Tensor& t, const char* name, torch::ScalarTyp
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, not ", t.device());
   TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", c10::getDtypeNames(dtype).first, ", not ",
                     c10::getDtypeNames(t.scalar_type()).first);
+}
+
+// t is on the CPU and float32 or bfloat16: a model's dtype there, which the ops compute in float32.
+inline void check_cpu_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, not ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+                    " must be float32 or bfloat16, not ", c10::getDtypeNames(t.scalar_type()).first);
 }
 
 inline bool has_sizes(const torch::Tensor& t, std::initializer_list<int64_t> sizes) {
@@ -45,6 +53,26 @@ inline void check_rows(const torch::Tensor& t, const char* name) {
 // The ops index t as one dense block.
 inline void check_contiguous(const torch::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, not strides ", t.strides());
+}
+
+// An attention op's queries q [rows, Hq, D] (`rows` spells its first size), the pool's layer kv [2, P, B, Hkv,
+// D] in q's dtype, with Hq a multiple of Hkv, and sinks [Hq] where given.
+inline void check_attention(const torch::Tensor& q, const char* rows, const torch::Tensor& kv,
+                            const std::optional<torch::Tensor>& sinks) {
+  check_cpu_float(q, "q");
+  check_shape(q, "q", {kAny, kAny, kAny}, "[", rows, ", Hq, D]");
+  check_contiguous(q, "q");
+  const int64_t q_heads = q.size(1), dim = q.size(2);
+  check_cpu(kv, "kv_layer", q.scalar_type());
+  check_shape(kv, "kv_layer", {2, kAny, kAny, kAny, dim}, "[2, P, B, Hkv, ", dim, "]");
+  check_contiguous(kv, "kv_layer");
+  TORCH_CHECK_VALUE(kv.size(3) > 0 && q_heads % kv.size(3) == 0, q_heads, " query heads over ", kv.size(3),
+                    " KV heads");
+  if (sinks) {
+    check_cpu(*sinks, "sinks");
+    check_shape(*sinks, "sinks", {q_heads}, "[", q_heads, "]");
+    check_contiguous(*sinks, "sinks");
+  }
 }
 
 }  // namespace pagedserve

@@ -1,5 +1,6 @@
 // A mixture of experts on the CPU: x [T, H] routed to each token's top_k of E experts, and the weighted sum
-// of their gated MLPs (`KernelBackend.moe`, whose torch reference this follows), float32.
+// of their gated MLPs (`KernelBackend.moe`, whose torch reference this follows), float32 or bfloat16; the
+// router's softmax in float32.
 //
 // The tokens are grouped by expert, and each chosen expert runs once for all the tokens routed to it, so
 // that its weights are read once a step: through skinny_linear, which streams them at memory speed, for the
@@ -11,25 +12,27 @@
 
 #include "checks.h"
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
+                            std::optional<torch::Tensor> bias, bool dot_bf16);
 
 namespace {
 
 constexpr int64_t kSkinnyRows = 16;  // kernels/cpu_backend.py's SKINNY_ROWS
 
-using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
+using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_cpu_float, pagedserve::check_shape,
+    pagedserve::kAny;
 
 void check_bias(const std::optional<torch::Tensor>& bias, const char* name, std::initializer_list<int64_t> sizes,
-                const char* spelled) {
+                const char* spelled, torch::ScalarType dtype) {
   if (!bias) return;
-  check_cpu(*bias, name);
+  check_cpu(*bias, name, dtype);
   check_shape(*bias, name, sizes, spelled);
   check_contiguous(*bias, name);
 }
 
 torch::Tensor expert_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const std::optional<torch::Tensor>& bias) {
-  return x.size(0) <= kSkinnyRows ? skinny_linear(x, weight, bias) : at::linear(x, weight, bias);
+  return x.size(0) <= kSkinnyRows ? skinny_linear(x, weight, std::nullopt, bias, false) : at::linear(x, weight, bias);
 }
 
 std::optional<torch::Tensor> row(const std::optional<torch::Tensor>& bias, int64_t expert) {
@@ -42,27 +45,28 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Te
                   torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
                   std::optional<torch::Tensor> down_bias, int64_t top_k, bool renormalize, bool softmax_of_top,
                   double swiglu_limit, double swiglu_alpha) {
-  check_cpu(x, "x");
+  check_cpu_float(x, "x");
+  const auto dtype = x.scalar_type();
   check_shape(x, "x", {kAny, kAny}, "[T, H]");
   check_contiguous(x, "x");
   const int64_t hidden = x.size(1);
-  check_cpu(router, "router");
+  check_cpu(router, "router", dtype);
   check_shape(router, "router", {kAny, hidden}, "[E, H]");
   const int64_t experts = router.size(0);
-  check_cpu(gate_up, "gate_up");
+  check_cpu(gate_up, "gate_up", dtype);
   check_shape(gate_up, "gate_up", {experts, kAny, hidden}, "[E, 2 I, H]");
   check_contiguous(gate_up, "gate_up");
   const int64_t inner = gate_up.size(1) / 2;
   TORCH_CHECK_VALUE(gate_up.size(1) == 2 * inner, "gate_up must have an even number of rows, not ", gate_up.size(1));
-  check_cpu(down, "down");
+  check_cpu(down, "down", dtype);
   check_shape(down, "down", {experts, hidden, inner}, "[E, H, I]");
   check_contiguous(down, "down");
-  check_bias(router_bias, "router_bias", {experts}, "[E]");
-  check_bias(gate_up_bias, "gate_up_bias", {experts, 2 * inner}, "[E, 2 I]");
-  check_bias(down_bias, "down_bias", {experts, hidden}, "[E, H]");
+  check_bias(router_bias, "router_bias", {experts}, "[E]", dtype);
+  check_bias(gate_up_bias, "gate_up_bias", {experts, 2 * inner}, "[E, 2 I]", dtype);
+  check_bias(down_bias, "down_bias", {experts, hidden}, "[E, H]", dtype);
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= experts, "top_k must be 1..", experts, ", not ", top_k);
 
-  const auto logits = at::linear(x, router, router_bias);
+  const auto logits = at::linear(x, router, router_bias).to(torch::kFloat32);
   torch::Tensor weights, chosen;
   if (softmax_of_top) {
     std::tie(weights, chosen) = logits.topk(top_k, -1);
@@ -94,7 +98,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Te
       gated = at::silu(gate) * up;
     }
     const auto y = expert_linear(gated.contiguous(), down[expert], row(down_bias, expert));
-    out.index_add_(0, tokens, y * flat_weights.index_select(0, pairs).unsqueeze(1));
+    out.index_add_(0, tokens, (y * flat_weights.index_select(0, pairs).unsqueeze(1)).to(dtype));
   }
   return out;
 }

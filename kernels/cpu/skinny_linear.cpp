@@ -1,96 +1,217 @@
-// y = x W^T (+ bias) for the few rows of a decode step: x [M, K], W [N, K], bias [N], float32, M small.
+// y = x W^T * scale (+ bias) for the few rows of a decode step: x [M, K], W [N, K], scale and bias [N], M
+// small. x and y are float32 or bfloat16; W is x's dtype, or int8 or float8 (e4m3) with a float32 scale per
+// row (a quantized linear layer's); the sums are float32, and y is rounded once.
 //
 // With few rows a GEMM is bound by reading W from memory, once a step; MKL's small-M path reads it well at
 // M = 1 but is far from that bound at 2-16 (scripts/bench_cpu_ops.py). Here each thread streams its own
-// stretch of W's rows once: four W rows at a time, against four x rows at a time (which stay in cache),
-// sixteen dot products accumulating in vector registers.
+// stretch of W's rows once, widening them to float32 in registers: four W rows at a time, against four x rows
+// at a time (which stay in cache, as float32), sixteen dot products accumulating in vector registers. An int8
+// weight is a quarter of float32's bytes to read. On a CPU with AVX512-BF16 (which the worker ran before
+// choosing it: kernels/cpu_features.py), bfloat16 x and W take vdpbf16ps instead, two products a float32 lane
+// an instruction, with no widening.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
-#include <cstring>
 #include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "checks.h"
+#include "floats.h"
 
 namespace {
 
+using pagedserve::from_float, pagedserve::kLanes, pagedserve::load, pagedserve::sum_lanes, pagedserve::to_float;
+using pagedserve::bf16, pagedserve::Vec;
+
 constexpr int64_t kRowsPerTask = 64;  // of W: a thread's stretch is a few such runs of 4
 
-// A vector register of floats, as wide as this CPU's (the build is for it: -march=native).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+// What the rows of y are made of: x as float32, and W with its scale and bias (float32, or null).
+template <typename W, typename Y>
+struct Operands {
+  const float* x;
+  const W* w;
+  const float* scale;
+  const float* bias;
+  Y* y;
+  int64_t k_len, n_total;
+};
 
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
-  return v;
-}
-
-// Dot products of x rows [m0, m0 + MB) with W rows [n, n + NB), into y: MB * NB vector accumulators.
-template <int MB, int NB>
-void block(const float* x, const float* w, float* y, int64_t k_len, int64_t n_total, int64_t m0, int64_t n) {
+// Dot products of x rows [m0, m0 + MB) with W rows [n, n + NB), into y: MB * NB vector accumulators. w
+// points at W's row n: o.w's own, or the same rows widened to float32.
+template <int MB, int NB, typename W, typename V, typename Y>
+void block(const Operands<W, Y>& o, const V* w, int64_t m0, int64_t n) {
   Vec acc[MB][NB] = {};
+  const int64_t k_len = o.k_len;
   int64_t k = 0;
   for (; k + kLanes <= k_len; k += kLanes) {
     Vec ws[NB];
-    for (int j = 0; j < NB; ++j) ws[j] = load(w + (n + j) * k_len + k);
+    for (int j = 0; j < NB; ++j) ws[j] = load(w + j * k_len + k);
     for (int i = 0; i < MB; ++i) {
-      const Vec xv = load(x + (m0 + i) * k_len + k);
+      const Vec xv = load(o.x + (m0 + i) * k_len + k);
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * ws[j];
     }
   }
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < NB; ++j) {
-      float sum = 0.0f;
-      for (int lane = 0; lane < kLanes; ++lane) sum += acc[i][j][lane];
-      for (int64_t r = k; r < k_len; ++r) sum += x[(m0 + i) * k_len + r] * w[(n + j) * k_len + r];
-      y[(m0 + i) * n_total + n + j] = sum;
+      float sum = sum_lanes(acc[i][j]);
+      for (int64_t r = k; r < k_len; ++r) sum += o.x[(m0 + i) * k_len + r] * to_float(w[j * k_len + r]);
+      if (o.scale) sum *= o.scale[n + j];
+      if (o.bias) sum += o.bias[n + j];
+      o.y[(m0 + i) * o.n_total + n + j] = from_float<Y>(sum);
+    }
+  }
+}
+
+template <int NB, typename W, typename V, typename Y>
+void rows_block(const Operands<W, Y>& o, const V* w, int64_t m_len, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= m_len; m += 4) block<4, NB>(o, w, m, n);
+  switch (m_len - m) {
+    case 3: block<3, NB>(o, w, m, n); break;
+    case 2: block<2, NB>(o, w, m, n); break;
+    case 1: block<1, NB>(o, w, m, n); break;
+    default: break;
+  }
+}
+
+// W rows [n, n + NB) against every x row. Where more than one block of x rows reads them, W rows that are
+// not float32 are widened once, into wide (a thread's), not once a block.
+template <int NB, typename W, typename Y>
+void rows(const Operands<W, Y>& o, int64_t m_len, int64_t n, std::vector<float>& wide) {
+  const W* w = o.w + n * o.k_len;
+  if (std::is_same_v<W, float> || m_len <= 4) {
+    rows_block<NB>(o, w, m_len, n);
+    return;
+  }
+  wide.resize(NB * o.k_len);
+  for (int64_t i = 0; i < NB * o.k_len; ++i) wide[i] = to_float(w[i]);
+  rows_block<NB>(o, wide.data(), m_len, n);
+}
+
+template <typename W, typename Y>
+void run(const Operands<W, Y>& o, int64_t m_len) {
+  at::parallel_for(0, o.n_total, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide;
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4) rows<4>(o, m_len, n, wide);
+    for (; n < end; ++n) rows<1>(o, m_len, n, wide);
+  });
+}
+
+#if defined(__x86_64__)
+// block() with vdpbf16ps, for bfloat16 x and W: 32 of a row's values a 512-bit load.
+template <int MB, int NB>
+__attribute__((target("avx512f,avx512bf16"))) void block_dot_bf16(const Operands<bf16, bf16>& o, const bf16* x,
+                                                                   int64_t m0, int64_t n) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  const int64_t k_len = o.k_len;
+  int64_t k = 0;
+  for (; k + 32 <= k_len; k += 32) {
+    __m512bh ws[NB];
+    for (int j = 0; j < NB; ++j) ws[j] = (__m512bh)_mm512_loadu_si512(o.w + (n + j) * k_len + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * k_len + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, ws[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t r = k; r < k_len; ++r) sum += to_float(x[(m0 + i) * k_len + r]) * to_float(o.w[(n + j) * k_len + r]);
+      if (o.bias) sum += o.bias[n + j];
+      o.y[(m0 + i) * o.n_total + n + j] = from_float<bf16>(sum);
     }
   }
 }
 
 template <int NB>
-void rows_block(const float* x, const float* w, float* y, int64_t m_len, int64_t k_len, int64_t n_total, int64_t n) {
+__attribute__((target("avx512f,avx512bf16"))) void rows_block_dot_bf16(const Operands<bf16, bf16>& o, const bf16* x,
+                                                                        int64_t m_len, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= m_len; m += 4) block<4, NB>(x, w, y, k_len, n_total, m, n);
+  for (; m + 4 <= m_len; m += 4) block_dot_bf16<4, NB>(o, x, m, n);
   switch (m_len - m) {
-    case 3: block<3, NB>(x, w, y, k_len, n_total, m, n); break;
-    case 2: block<2, NB>(x, w, y, k_len, n_total, m, n); break;
-    case 1: block<1, NB>(x, w, y, k_len, n_total, m, n); break;
+    case 3: block_dot_bf16<3, NB>(o, x, m, n); break;
+    case 2: block_dot_bf16<2, NB>(o, x, m, n); break;
+    case 1: block_dot_bf16<1, NB>(o, x, m, n); break;
     default: break;
+  }
+}
+
+void run_dot_bf16(const Operands<bf16, bf16>& o, const bf16* x, int64_t m_len) {
+  at::parallel_for(0, o.n_total, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4) rows_block_dot_bf16<4>(o, x, m_len, n);
+    for (; n < end; ++n) rows_block_dot_bf16<1>(o, x, m_len, n);
+  });
+}
+#endif
+
+void check(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
+           const std::optional<torch::Tensor>& bias) {
+  using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_cpu_float, pagedserve::check_shape,
+      pagedserve::kAny;
+  check_cpu_float(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
+  const auto kind = weight.scalar_type();
+  const bool quantized = kind == torch::kInt8 || kind == torch::kFloat8_e4m3fn;
+  check_cpu(weight, "weight", quantized ? kind : x.scalar_type());
+  check_shape(weight, "weight", {kAny, x.size(1)}, "[N, ", x.size(1), "]");
+  const int64_t n_len = weight.size(0);
+  TORCH_CHECK_VALUE(scale.has_value() == quantized, quantized ? "an int8 or float8 weight needs a scale" :
+                    "a scale goes with an int8 or float8 weight only");
+  if (scale) {
+    check_cpu(*scale, "scale");
+    check_shape(*scale, "scale", {n_len}, "[", n_len, "]");
+    check_contiguous(*scale, "scale");
+  }
+  if (bias) {
+    check_cpu(*bias, "bias", bias->scalar_type() == torch::kFloat32 ? torch::kFloat32 : x.scalar_type());
+    check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
   }
 }
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
-  using pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
-  check_cpu(x, "x");
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
-  check_cpu(weight, "weight");
-  check_shape(weight, "weight", {kAny, x.size(1)}, "[N, ", x.size(1), "]");
-  if (bias) {  // added to y below, where a wrong shape would broadcast
-    check_cpu(*bias, "bias");
-    check_shape(*bias, "bias", {weight.size(0)}, "[", weight.size(0), "]");
-  }
-  const auto xc = x.contiguous();
+// dot_bf16: take vdpbf16ps where x and W are bfloat16 (the caller has seen this CPU run it).
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
+                            std::optional<torch::Tensor> bias, bool dot_bf16) {
+  check(x, weight, scale, bias);
   const auto wc = weight.contiguous();
-  const int64_t m_len = xc.size(0), k_len = xc.size(1), n_len = wc.size(0);
+  const auto bf = bias ? std::optional<torch::Tensor>(bias->to(torch::kFloat32).contiguous()) : std::nullopt;
+  const int64_t m_len = x.size(0), k_len = x.size(1), n_len = wc.size(0);
   auto y = torch::empty({m_len, n_len}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n_len, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + 4 <= end; n += 4) rows_block<4>(xp, wp, yp, m_len, k_len, n_len, n);
-    for (; n < end; ++n) rows_block<1>(xp, wp, yp, m_len, k_len, n_len, n);
+  const float* scale_data = scale ? scale->data_ptr<float>() : nullptr;
+  const float* bias_data = bf ? bf->data_ptr<float>() : nullptr;
+#if defined(__x86_64__)
+  if (dot_bf16 && x.scalar_type() == torch::kBFloat16 && wc.scalar_type() == torch::kBFloat16) {
+    const auto xc = x.contiguous();
+    run_dot_bf16({nullptr, wc.data_ptr<bf16>(), nullptr, bias_data, y.data_ptr<bf16>(), k_len, n_len},
+                 xc.data_ptr<bf16>(), m_len);
+    return y;
+  }
+#endif
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  pagedserve::with_float_type(x, "x", [&](auto y_tag) {
+    using Y = decltype(y_tag);
+    auto go = [&](auto* w) {
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+      run(Operands<W, Y>{xf.data_ptr<float>(), w, scale_data, bias_data, y.data_ptr<Y>(), k_len, n_len}, m_len);
+    };
+    switch (wc.scalar_type()) {
+      case torch::kInt8: go(wc.data_ptr<int8_t>()); break;
+      case torch::kFloat8_e4m3fn: go(wc.data_ptr<pagedserve::fp8>()); break;
+      default: go(wc.data_ptr<Y>()); break;  // x's dtype, as check() made sure
+    }
   });
-  if (bias) y.add_(*bias);
   return y;
 }

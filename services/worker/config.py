@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from kernels.backend import PageSize
 from memory_daemon.shape import DType
 from pagedserve.plumbing.auth import secret_setting
@@ -15,6 +13,7 @@ from pagedserve.plumbing.metrics import MetricsSettings
 from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, positive, setting
 from pagedserve.plumbing.sizes import parse_bytes
 from services.worker.core.engine import EngineConfig
+from services.worker.models.quantized import Quantization
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,14 @@ class WorkerConfig:
     )
     device: str = setting("cpu", "cpu, cuda or cuda:N", check=device)
     dtype: Literal["auto"] | DType = setting(
-        "auto", "the model's dtype: auto is float32 on the CPU, bfloat16 on CUDA"
+        "auto",
+        "the model's and the KV pool's dtype: auto is bfloat16 on CUDA, and on the CPU bfloat16 where it "
+        "runs in hardware (AMX or AVX512-BF16, each tried at start), else float32",
+    )
+    quantization: Quantization = setting(
+        "none",
+        "int8: the linear layers' weights in int8, one scale an output channel, quantized at load (a "
+        "checkpoint already in int8 or FP8, in compressed-tensors' format, loads as it is without it)",
     )
     kv_memory_bytes: int = setting(
         2**30,
@@ -78,10 +84,3 @@ class WorkerConfig:
         if self.kernels == "auto":
             return "cpu" if self.device == "cpu" else "cupy"
         return self.kernels
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """fp32 on the CPU and bf16 on CUDA, unless told otherwise."""
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)

@@ -15,6 +15,7 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from kernels import KernelBackend, TorchBackend
 from kernels.cpu_backend import CpuBackend, cpu_ops
+from kernels.cpu_features import cpu_features
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
@@ -45,6 +46,7 @@ class LoadedWorker:
     model_dir: Path
     model_id: str
     attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
+    dtype: str  # the model's and the pool's, e.g. "bfloat16"
 
 
 def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
@@ -53,8 +55,19 @@ def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
 
         return CupyBackend(device)
     if config.kernel_backend == "cpu" and (ops := cpu_ops()) is not None:
-        return CpuBackend(ops)
+        return CpuBackend(ops, cpu_features())
     return TorchBackend()
+
+
+def model_dtype(config: WorkerConfig, backend: KernelBackend) -> tuple[torch.dtype, str]:
+    """The dtype the model and its pool run in, and why: --dtype, or what auto picks for the device."""
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype), f"{config.dtype}, as --dtype says"
+    if config.device != "cpu":
+        return torch.bfloat16, "bfloat16, auto's choice on CUDA"
+    if isinstance(backend, CpuBackend):
+        return cpu_features().best_dtype()
+    return torch.float32, "float32: auto tries bfloat16 only with the C++ CPU kernels"
 
 
 def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None) -> LoadedWorker:
@@ -68,10 +81,14 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     device = torch.device(config.device)
     backend = kernel_backend(config, device)
     log.info("kernels: %s, on %d torch threads", backend.name, torch.get_num_threads())
-    model = load_model(model_dir, dtype=config.torch_dtype, device=device, backend=backend)
+    dtype, why = model_dtype(config, backend)
+    log.info("dtype: %s", why)
+    model = load_model(
+        model_dir, dtype=dtype, device=device, backend=backend, quantization=config.quantization
+    )
     spec = model.spec
     model_id = config.model_id or model_identity(model_dir)
-    dtype_name = str(config.torch_dtype).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.")
     shape = spec.pool_shape(dtype_name, config.page_size)  # type: ignore[arg-type]
     attach = None
     if config.daemon_address is None:
@@ -94,9 +111,10 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         kv = attach()
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
+    weights = f"{dtype_name}, int8 linear layers" if config.quantization == "int8" else dtype_name
     log.info(
         "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages %s",
-        *(model_dir, spec.model_type, parameters, config.device, dtype_name, kv.num_pages - 1, where),
+        *(model_dir, spec.model_type, parameters, config.device, weights, kv.num_pages - 1, where),
     )
     graphs = None
     if device.type == "cuda" and config.cuda_graphs and backend.name != "cupy":
@@ -105,7 +123,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()
     engine = Engine(EngineCore(model, kv, config.engine, graphs, _grammars(model_dir, spec)))
-    return LoadedWorker(engine, model_dir, model_id, attach)
+    return LoadedWorker(engine, model_dir, model_id, attach, dtype_name)
 
 
 def _grammars(model_dir: Path, spec: ModelSpec) -> Grammars | None:
@@ -157,7 +175,7 @@ async def serve(config: WorkerConfig) -> None:
 
     loaded = await asyncio.to_thread(load_worker, config, on_lost)
     engine = loaded.engine
-    info = worker_info(config, loaded.model_dir, loaded.model_id, engine.spec)
+    info = worker_info(config, loaded.model_dir, loaded.model_id, engine.spec, loaded.dtype)
     service = WorkerService(engine, info, loop, config.stall_timeout_s)
     if config.metrics.port:
         instrument(engine)

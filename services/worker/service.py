@@ -209,7 +209,7 @@ def logprobs_pb(logprob: TokenLogprob) -> generation_pb2.TokenLogprobs:
 
 
 def worker_info(
-    config: WorkerConfig, model_dir: Path, model_id: str, spec: ModelSpec
+    config: WorkerConfig, model_dir: Path, model_id: str, spec: ModelSpec, dtype: str
 ) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(
         model_id=model_id,
@@ -217,7 +217,7 @@ def worker_info(
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
         eos_token_ids=spec.eos_token_ids,
-        dtype=str(config.torch_dtype).removeprefix("torch."),
+        dtype=dtype,
         device=config.device,
         page_size=config.page_size,
         worker_name=config.name,

@@ -1,6 +1,7 @@
-"""The C++ CPU decode attention and mixture of experts against the torch reference, on fresh random inputs:
-every slot the attention must not read (pages nobody owns, the rest of each sequence's last page, the pages
-before a window) holds NaN."""
+"""The C++ CPU attention (decode and prefill) and mixture of experts against the torch reference, on fresh
+random float32 and bfloat16 inputs: every slot the attention must not read (pages nobody owns, the rest of
+each sequence's last page, the keys before a window) holds NaN. bfloat16 inputs are compared with the
+reference's float32 math on the same values: the ops compute in float32 and round their output once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kernels.cpu_backend import CpuBackend, cpu_ops
 from kernels.torch_ref import TorchBackend, moe_reference
 from tests.kernels.references import (
     KV_HEADS,
+    assert_close,
     fused_qkv,
     null_before,
     poison_pages,
@@ -71,6 +73,76 @@ def test_decodes_far_apart_in_length_beside_a_prefill_chunk() -> None:
     actual, expected = run_both(11, [1, 231, 15, 8], page_size=8, head_dim=64, group=3, prefill=20)
     assert not actual.isnan().any()
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def run_attention(
+    seed: int,
+    decodes: list[int],
+    chunks: list[tuple[int, int]],
+    page_size: int,
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+    layer: LayerAttention | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decodes of these lengths, then prefill chunks of (cached, new) tokens, through the C++ backend on a
+    pool where every slot it must not read is NaN, and through the reference in float32 on a clean one."""
+    gen = generator(seed)
+    lengths = [*decodes, *(cached + new for cached, new in chunks)]
+    tables = random_tables(gen, lengths, page_size)
+    kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
+    layer = layer or LayerAttention(head_dim**-0.5)
+    steps = [Chunk(t, n - 1, 1) for t, n in zip(tables, decodes, strict=False)]
+    steps += [Chunk(t, c, n) for t, (c, n) in zip(tables[len(decodes) :], chunks, strict=True)]
+    poisoned = kv_layer.clone()
+    poison_pages(poisoned, unowned_pages(tables))
+    for step in steps:
+        poison_slots(poisoned, step.pages, range(step.end, len(step.pages) * page_size))
+        if layer.window:  # before the first query's window
+            poison_slots(poisoned, step.pages, range(max(0, step.start + 1 - layer.window)))
+    q, _, _ = fused_qkv(gen, sum(step.count for step in steps), group * KV_HEADS, head_dim, dtype)
+    meta = make_metadata(steps[: len(decodes)], steps[len(decodes) :], page_size)
+    assert OPS is not None
+    actual = CpuBackend(OPS).paged_attention(q, poisoned, meta, layer)
+    assert actual.dtype == dtype
+    return actual, TorchBackend().paged_attention(q.float(), kv_layer.float(), meta, layer)
+
+
+PREFILL_CASES = list(
+    itertools.product((8, 16, 32), (16, 64, 128), (1, 3, 4), (torch.float32, torch.bfloat16))
+)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "head_dim", "group", "dtype"),
+    PREFILL_CASES,
+    ids=[f"B{b}-D{d}-G{g}-{str(t)[6:]}" for b, d, g, t in PREFILL_CASES],
+)
+def test_prefill_chunks_beside_decodes_match_the_reference(
+    page_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    """Chunks with and without a cached prefix, shorter and longer than a task's 16 tokens and a key tile,
+    one of a single token, beside decodes of very different lengths."""
+    chunks = [(0, 37), (23, 50), (70, 9), (0, 1), (5, 1)]
+    actual, expected = run_attention(
+        page_size + head_dim + group, [5, 40], chunks, page_size, head_dim, group, dtype
+    )
+    assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("page_size", (8, 16))
+def test_prefill_windows_softcaps_and_sinks_read_nothing_before_the_window(
+    page_size: int, kind: str, dtype: torch.dtype
+) -> None:
+    """A window of 2 pages and 3 tokens: chunks that start before it ends, and past it with a cached prefix
+    longer than it (whose keys before the window are NaN)."""
+    window = 2 * page_size + 3
+    layer = varied_layers(generator(page_size), 64**-0.5, 3 * KV_HEADS, window)[kind]
+    chunks = [(0, window + 20), (4 * page_size, 40), (9 * page_size + 1, 3)]
+    actual, expected = run_attention(31 + page_size, [window + 5], chunks, page_size, 64, 3, dtype, layer)
+    assert_close(actual, expected, dtype)
 
 
 @pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
@@ -147,6 +219,29 @@ def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:
     assert OPS is not None
     with pytest.raises(RuntimeError, match="outside the pool"):
         OPS.paged_decode(q, kv_layer, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None)
+    starts, lens = torch.tensor([0, 1]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        OPS.paged_prefill(q, kv_layer, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None)
+
+
+@pytest.mark.parametrize(
+    ("lens", "starts", "message"),
+    [
+        ([3], [0, 2], "query_start must run from 0 to 1"),
+        ([3], [1, 1], "query_start must run from 0 to 1"),
+        ([0], [0, 1], "new tokens do not fit its length 0"),
+        ([9], [0, 1], "new tokens do not fit its length 9"),  # past its table of one page of 8
+        ([3, 3], [0, 2, 1], "sequence 1's -1 new tokens"),
+    ],
+)
+def test_prefill_lengths_that_do_not_fit_are_refused(
+    lens: list[int], starts: list[int], message: str
+) -> None:
+    kv_layer, q = torch.zeros(2, 4, 8, 1, 16), torch.zeros(1, 1, 16)
+    tables = torch.ones(len(lens), 1, dtype=torch.int64)
+    assert OPS is not None
+    with pytest.raises(RuntimeError, match=message):
+        OPS.paged_prefill(q, kv_layer, tables, torch.tensor(lens), torch.tensor(starts), 1.0, 0, 0.0, None)
 
 
 def test_one_sequence_alone_splits_its_heads_across_threads() -> None:

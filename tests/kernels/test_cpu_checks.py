@@ -50,7 +50,13 @@ def silu_args() -> Args:
 
 
 def linear_args() -> Args:
-    return {"x": torch.randn(T, H), "weight": torch.randn(3 * H, H), "bias": torch.randn(3 * H)}
+    return {
+        "x": torch.randn(T, H),
+        "weight": torch.randn(3 * H, H),
+        "scale": None,
+        "bias": torch.randn(3 * H),
+        "dot_bf16": False,
+    }
 
 
 def decode_args() -> Args:
@@ -66,6 +72,21 @@ def decode_args() -> Args:
     }
 
 
+def prefill_args() -> Args:
+    return {
+        "q": torch.randn(T, HQ, D),
+        "kv_layer": torch.randn(2, 8, 4, HKV, D),
+        "block_tables": torch.ones(2, 3, dtype=torch.int64),
+        "seq_lens": torch.tensor([4, 6]),
+        "query_start": torch.tensor([0, 2, T]),
+        "scale": 1.0,
+        "window": 0,
+        "softcap": 0.0,
+        "sinks": torch.zeros(HQ),
+    }
+
+
+BF16, INT8 = torch.bfloat16, torch.int8
 E, J = 4, 8  # experts, and each one's MLP width
 
 
@@ -102,7 +123,9 @@ CASES: list[tuple[str, Args, str]] = [
         {"x": torch.randn(H), "residual": None},
         r"x must be \[T, H\] or \[T, heads, D\], not \[64\]",
     ),
-    ("rms_norm", {"x": torch.randn(T, H, dtype=F64)}, r"x must be float32, not float64"),
+    ("rms_norm", {"x": torch.randn(T, H, dtype=F64)}, r"x must be float32 or bfloat16, not float64"),
+    ("rms_norm", {"weight": torch.randn(H, dtype=BF16)}, r"weight must be float32, not bfloat16"),
+    ("rms_norm", {"x": torch.randn(T, H, dtype=BF16)}, r"weight must be bfloat16, not float32"),
     (
         "rms_norm",
         {"x": torch.randn(H, T).t()},
@@ -119,6 +142,7 @@ CASES: list[tuple[str, Args, str]] = [
     ("rotary", {"k": torch.randn(T, HKV, D // 2)}, r"k must be \[5, heads, 32\], not \[5, 2, 16\]"),
     ("rotary", {"k": torch.randn(T - 1, HKV, D)}, r"k must be \[5, heads, 32\], not \[4, 2, 32\]"),
     ("rotary", {"k": torch.randn(T, HKV, D, dtype=F64)}, r"k must be float32, not float64"),
+    ("rotary", {"cos_sin": torch.randn(N, 2, D, dtype=BF16)}, r"cos_sin must be float32, not bfloat16"),
     ("rotary", {"q": torch.randn(T, HQ * D)}, r"q must be \[T, heads, D\], not \[5, 192\]"),
     (
         "rotary",
@@ -132,7 +156,7 @@ CASES: list[tuple[str, Args, str]] = [
     ("rotary", {"q": torch.randn(T, D, HQ).transpose(1, 2)}, r"q must have a contiguous last dimension"),
     ("silu_and_mul", {"x": torch.randn(T, 2, H)}, r"x must be \[T, 2 I\], not \[5, 2, 64\]"),
     ("silu_and_mul", {"x": torch.randn(T, 2 * H + 1)}, r"x must be \[T, 2 I\], not \[5, 129\]"),
-    ("silu_and_mul", {"x": torch.randn(T, 2 * H, dtype=F64)}, r"x must be float32, not float64"),
+    ("silu_and_mul", {"x": torch.randn(T, 2 * H, dtype=F64)}, r"x must be float32 or bfloat16, not float64"),
     ("silu_and_mul", {"x": torch.empty(T, 2 * H, device=META)}, r"x must be on the CPU, not meta"),
     ("skinny_linear", {"bias": torch.randn(3 * H + 1)}, r"bias must be \[192\], not \[193\]"),
     ("skinny_linear", {"bias": torch.randn(1)}, r"bias must be \[192\], not \[1\]"),
@@ -144,6 +168,29 @@ CASES: list[tuple[str, Args, str]] = [
     ("skinny_linear", {"weight": torch.randn(3 * H, H, dtype=F64)}, r"weight must be float32, not float64"),
     ("skinny_linear", {"x": torch.randn(T, H, 1)}, r"x must be \[M, K\], not \[5, 64, 1\]"),
     ("skinny_linear", {"x": torch.empty(T, H, device=META)}, r"x must be on the CPU, not meta"),
+    ("skinny_linear", {"x": torch.randn(T, H, dtype=F64)}, r"x must be float32 or bfloat16, not float64"),
+    ("skinny_linear", {"weight": torch.randn(3 * H, H, dtype=BF16)}, r"weight must be float32, not bfloat16"),
+    (
+        "skinny_linear",
+        {"weight": torch.ones(3 * H, H, dtype=INT8)},
+        r"an int8 or float8 weight needs a scale",
+    ),
+    ("skinny_linear", {"scale": torch.ones(3 * H)}, r"a scale goes with an int8 or float8 weight only"),
+    (
+        "skinny_linear",
+        {"weight": torch.ones(3 * H, H, dtype=INT8), "scale": torch.ones(3 * H + 1)},
+        r"scale must be \[192\], not \[193\]",
+    ),
+    (
+        "skinny_linear",
+        {"weight": torch.ones(3 * H, H, dtype=INT8), "scale": torch.ones(3 * H, dtype=BF16)},
+        r"scale must be float32, not bfloat16",
+    ),
+    (
+        "skinny_linear",
+        {"weight": torch.ones(3 * H, H - 1, dtype=INT8), "scale": torch.ones(3 * H)},
+        r"weight must be \[N, 64\], not \[192, 63\]",
+    ),
     ("paged_decode", {"q": torch.randn(T, HQ * D)}, r"q must be \[S, Hq, D\], not \[5, 192\]"),
     ("paged_decode", {"q": torch.randn(T, D, HQ).transpose(1, 2)}, r"q must be contiguous"),
     (
@@ -191,6 +238,38 @@ CASES: list[tuple[str, Args, str]] = [
     ("paged_decode", {"seq_lens": torch.ones(T, dtype=I32)}, r"seq_lens must be int64, not int32"),
     ("paged_decode", {"sinks": torch.zeros(HQ + 1)}, r"sinks must be \[6\], not \[7\]"),
     ("paged_decode", {"sinks": torch.zeros(HQ, dtype=F64)}, r"sinks must be float32, not float64"),
+    (
+        "paged_decode",
+        {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=BF16)},
+        r"kv_layer must be float32, not bfloat16",
+    ),
+    ("paged_prefill", {"q": torch.randn(T, HQ * D)}, r"q must be \[N, Hq, D\], not \[5, 192\]"),
+    ("paged_prefill", {"q": torch.randn(T, HQ, D, dtype=F64)}, r"q must be float32 or bfloat16, not float64"),
+    ("paged_prefill", {"q": torch.randn(T, D, HQ).transpose(1, 2)}, r"q must be contiguous"),
+    (
+        "paged_prefill",
+        {"kv_layer": torch.randn(2, 8, 4, HKV, D + 2)},
+        r"kv_layer must be \[2, P, B, Hkv, 32\], not \[2, 8, 4, 2, 34\]",
+    ),
+    (
+        "paged_prefill",
+        {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=BF16)},
+        r"kv_layer must be float32, not bfloat16",
+    ),
+    ("paged_prefill", {"kv_layer": torch.randn(2, 8, 4, 4, D)}, r"6 query heads over 4 KV heads"),
+    (
+        "paged_prefill",
+        {"block_tables": torch.ones(2, 3, dtype=I32)},
+        r"block_tables must be int64, not int32",
+    ),
+    ("paged_prefill", {"seq_lens": torch.tensor([4, 6, 1])}, r"seq_lens must be \[2\], not \[3\]"),
+    ("paged_prefill", {"query_start": torch.tensor([0, T])}, r"query_start must be \[3\], not \[2\]"),
+    (
+        "paged_prefill",
+        {"query_start": torch.tensor([0, 2, T], dtype=I32)},
+        r"query_start must be int64, not int32",
+    ),
+    ("paged_prefill", {"sinks": torch.zeros(HQ - 1)}, r"sinks must be \[6\], not \[5\]"),
     ("moe", {"x": torch.randn(T, H, 1)}, r"x must be \[T, H\], not \[5, 64, 1\]"),
     ("moe", {"router": torch.randn(E, H + 1)}, r"router must be \[E, H\], not \[4, 65\]"),
     ("moe", {"gate_up": torch.randn(E + 1, 2 * J, H)}, r"gate_up must be \[E, 2 I, H\], not \[5, 16, 64\]"),
@@ -198,6 +277,8 @@ CASES: list[tuple[str, Args, str]] = [
     ("moe", {"down": torch.randn(E, H, J + 1)}, r"down must be \[E, H, I\], not \[4, 64, 9\]"),
     ("moe", {"down_bias": torch.randn(E)}, r"down_bias must be \[E, H\], not \[4\]"),
     ("moe", {"gate_up": torch.randn(E, 2 * J, H, dtype=F64)}, r"gate_up must be float32, not float64"),
+    ("moe", {"x": torch.randn(T, H, dtype=F64)}, r"x must be float32 or bfloat16, not float64"),
+    ("moe", {"router": torch.randn(E, H, dtype=BF16)}, r"router must be float32, not bfloat16"),
     ("moe", {"top_k": E + 1}, r"top_k must be 1..4, not 5"),
     ("moe", {"top_k": 0}, r"top_k must be 1..4, not 0"),
 ]
@@ -209,6 +290,7 @@ GOOD: dict[str, Callable[[], Args]] = {
     "silu_and_mul": silu_args,
     "skinny_linear": linear_args,
     "paged_decode": decode_args,
+    "paged_prefill": prefill_args,
     "moe": moe_args,
 }
 

@@ -1,6 +1,9 @@
 """The C++ CPU row-wise ops (RMSNorm, rotary, SiLU and mul, the few-row GEMM) against the torch reference,
-on fresh random float32 inputs. Inputs that are views of wider rows have NaN in the columns around them,
-which an op that ignores a stride would read."""
+on fresh random float32 and bfloat16 inputs, and the GEMM with int8 and float8 weights. Inputs that are
+views of wider rows have NaN in the columns around them, which an op that ignores a stride would read.
+
+In bfloat16 the ops compute in float32 and round where transformers rounds (the reference computes in
+bfloat16 op by op), so they agree to within one rounding of bfloat16: half a step, 2^-9 of the value."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from kernels.cpu_backend import CpuBackend, cpu_ops
+from kernels import QuantizedWeight, Weight
+from kernels.cpu_backend import QUANTIZED_SKINNY_ROWS, CpuBackend, cpu_ops
 from kernels.torch_ref import TorchBackend
 from services.worker.models.decoder import rotary_table
 from tests.kernels.steps import llama_spec
@@ -18,6 +22,8 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 REFERENCE = TorchBackend()
 PAD = 16
 EPS = 1e-6
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+CLOSE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2**-8, "atol": 2**-8}}
 
 
 @pytest.fixture(scope="module")
@@ -27,40 +33,46 @@ def backend() -> CpuBackend:
     return CpuBackend(ops)
 
 
-def padded_rows(gen: torch.Generator, rows: int, width: int) -> torch.Tensor:
+def padded_rows(
+    gen: torch.Generator, rows: int, width: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[rows, width] random values: a view into rows PAD wider on each side, which hold NaN."""
-    buffer = torch.full((rows, width + 2 * PAD), float("nan"))
-    buffer[:, PAD : PAD + width] = torch.randn(rows, width, generator=gen)
+    buffer = torch.full((rows, width + 2 * PAD), float("nan"), dtype=dtype)
+    buffer[:, PAD : PAD + width] = torch.randn(rows, width, generator=gen).to(dtype)
     return buffer[:, PAD : PAD + width]
 
 
+@DTYPES
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 576), (40, 1000), (6, 9, 64), (5, 4, 128)], ids=str)
-def test_rms_norm(backend: CpuBackend, shape: tuple[int, ...], with_residual: bool) -> None:
+def test_rms_norm(
+    backend: CpuBackend, shape: tuple[int, ...], with_residual: bool, dtype: torch.dtype
+) -> None:
     gen = torch.Generator().manual_seed(sum(shape) + with_residual)
-    x = padded_rows(gen, shape[0], torch.Size(shape[1:]).numel()).unflatten(1, shape[1:])
-    weight = 1.0 + 0.2 * torch.randn(shape[-1], generator=gen)
-    residual = torch.randn(shape, generator=gen) if with_residual else None
+    x = padded_rows(gen, shape[0], torch.Size(shape[1:]).numel(), dtype).unflatten(1, shape[1:])
+    weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype) if with_residual else None
     x_before = x.clone()
     expected, expected_residual = REFERENCE.rms_norm(x, weight, EPS, residual)
 
     normed, new_residual = backend.rms_norm(x, weight, EPS, residual)
 
-    assert normed.shape == shape and not normed.isnan().any()
-    torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+    assert normed.shape == shape and normed.dtype == dtype and not normed.isnan().any()
+    torch.testing.assert_close(normed, expected, **CLOSE[dtype])
     assert torch.equal(new_residual, expected_residual), "the new residual is not x + residual"
     assert torch.equal(x, x_before), "x changed"
 
 
+@DTYPES
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 37])
-def test_rotary_in_place(backend: CpuBackend, head_dim: int, tokens: int) -> None:
+def test_rotary_in_place(backend: CpuBackend, head_dim: int, tokens: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(head_dim + tokens)
     spec = llama_spec(head_dim, max_positions=4096)
-    cos_sin = rotary_table(spec, torch.device("cpu"), torch.float32)
+    cos_sin = rotary_table(spec, torch.device("cpu"), dtype)
     positions = torch.randint(0, spec.max_model_len, (tokens,), generator=gen)
     widths = [9 * head_dim, 3 * head_dim, 3 * head_dim]
-    qkv = padded_rows(gen, tokens, sum(widths))
+    qkv = padded_rows(gen, tokens, sum(widths), dtype)
     q, k, v = (part.unflatten(1, (-1, head_dim)) for part in qkv.split(widths, dim=-1))
     expected_q, expected_k = REFERENCE.rotary(q.clone(), k.clone(), positions, cos_sin)
     v_before = v.clone()
@@ -68,8 +80,8 @@ def test_rotary_in_place(backend: CpuBackend, head_dim: int, tokens: int) -> Non
     q_out, k_out = backend.rotary(q, k, positions, cos_sin)
 
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr(), "not in place"
-    torch.testing.assert_close(q, expected_q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k, expected_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, expected_q, **CLOSE[dtype])
+    torch.testing.assert_close(k, expected_k, **CLOSE[dtype])
     assert torch.equal(v, v_before), "V changed"
 
 
@@ -80,45 +92,103 @@ def test_rotary_refuses_a_position_past_its_table(backend: CpuBackend) -> None:
         backend.rotary(q, k, torch.tensor([3, 8]), cos_sin)
 
 
+@DTYPES
 @pytest.mark.parametrize("inner", [64, 1536, 5632])
-def test_silu_and_mul(backend: CpuBackend, inner: int) -> None:
-    x = padded_rows(torch.Generator().manual_seed(inner), 9, 2 * inner)
+def test_silu_and_mul(backend: CpuBackend, inner: int, dtype: torch.dtype) -> None:
+    x = padded_rows(torch.Generator().manual_seed(inner), 9, 2 * inner, dtype)
 
     out = backend.silu_and_mul(x)
 
-    assert out.shape == (9, inner) and out.is_contiguous()
-    torch.testing.assert_close(out, REFERENCE.silu_and_mul(x), rtol=1e-5, atol=1e-5)
+    assert out.shape == (9, inner) and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out, REFERENCE.silu_and_mul(x), **CLOSE[dtype])
 
 
 def test_other_dtypes_take_the_reference(backend: CpuBackend) -> None:
-    """bfloat16, which the C++ ops do not take, against float64 math on the same inputs, within bfloat16's
+    """float16, which the C++ ops do not take, against float64 math on the same inputs, within float16's
     rounding: the reference's own output would compare equal to itself, right or wrong."""
     gen = torch.Generator().manual_seed(12)
-    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 128, generator=gen).to(torch.float16)
     weight, bias = (
-        torch.randn(5, 64, generator=gen).to(torch.bfloat16),
-        torch.randn(5, generator=gen).to(torch.bfloat16),
+        torch.randn(5, 64, generator=gen).to(torch.float16),
+        torch.randn(5, generator=gen).to(torch.float16),
     )
     gate, up = x.double().chunk(2, dim=-1)
 
     out, projected = backend.silu_and_mul(x), backend.linear(x[:, :64], weight, bias)
 
-    assert out.dtype == projected.dtype == torch.bfloat16
-    bf16 = {"rtol": 1.6e-2, "atol": 1e-2}  # a few of bfloat16's roundings (2^-8 apart), near zero too
-    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **bf16)
+    assert out.dtype == projected.dtype == torch.float16
+    fp16 = {"rtol": 2e-3, "atol": 2e-3}  # a few of float16's roundings (2^-11 apart), near zero too
+    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, **fp16)
     expected = x[:, :64].double() @ weight.double().T + bias.double()
-    torch.testing.assert_close(projected.double(), expected, **bf16)
+    torch.testing.assert_close(projected.double(), expected, **fp16)
 
 
+def quantized(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    """weight as int8 or float8 (e4m3) with a scale a row, from the largest value each kind holds."""
+    most = 127.0 if kind == "int8" else 448.0
+    scale = weight.abs().amax(dim=1) / most
+    scaled = weight / scale[:, None]
+    data = scaled.round().to(torch.int8) if kind == "int8" else scaled.to(torch.float8_e4m3fn)
+    return QuantizedWeight(data, scale)
+
+
+WEIGHTS = ["float32", "bfloat16", "int8-float32", "int8-bfloat16", "float8-float32", "float8-bfloat16"]
+
+
+def linear_case(
+    gen: torch.Generator, rows: int, n: int, k: int, weights: str
+) -> tuple[torch.Tensor, Weight, torch.Tensor]:
+    """x [rows, k] (a strided view) and a weight [n, k] of the kind named: its dtype, or its 8-bit kind and
+    x's dtype; and a bias [n] in x's dtype."""
+    kind, _, x_dtype = weights.rpartition("-")
+    dtype = getattr(torch, x_dtype)
+    x = padded_rows(gen, rows, k, dtype)
+    weight = torch.randn(n, k, generator=gen)
+    return x, quantized(weight, kind) if kind else weight.to(dtype), torch.randn(n, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 100), (4099, 64), (576, 1536)], ids=str)
-def test_skinny_linear(backend: CpuBackend, rows: int, n: int, k: int) -> None:
-    """Every block shape (rows and W rows not multiples of 4, K not a multiple of the vector width)."""
+def test_skinny_linear(backend: CpuBackend, rows: int, n: int, k: int, weights: str) -> None:
+    """Every block shape (rows and W rows not multiples of 4, K not a multiple of the vector width), each
+    kind of weight: the sums in float32, rounded once to x's dtype."""
     gen = torch.Generator().manual_seed(rows * n + k)
-    x = padded_rows(gen, rows, k)
-    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x, weight, bias = linear_case(gen, rows, n, k, weights)
 
     for b in (None, bias):
         out = backend.linear(x, weight, b)
-        assert out.shape == (rows, n) and not out.isnan().any()
-        torch.testing.assert_close(out, REFERENCE.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+        assert out.shape == (rows, n) and out.dtype == x.dtype and not out.isnan().any()
+        wide = weight if isinstance(weight, QuantizedWeight) else weight.float()
+        expected = REFERENCE.linear(x.float(), wide, None if b is None else b.float())
+        if x.dtype == torch.bfloat16:  # the reference's bfloat16 GEMM sums in its own order
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-7 * k**0.5)
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights", [w for w in WEIGHTS if "-" in w])
+@pytest.mark.parametrize("rows", [17, QUANTIZED_SKINNY_ROWS, QUANTIZED_SKINNY_ROWS + 1])
+def test_quantized_weights_past_the_few_rows(backend: CpuBackend, rows: int, weights: str) -> None:
+    """More rows than a decode step: still the few-row GEMM up to QUANTIZED_SKINNY_ROWS, MKL past it."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = linear_case(gen, rows, 300, 200, weights)
+    out = backend.linear(x, weight, bias)
+    expected = REFERENCE.linear(x.float(), weight, bias.float()).to(x.dtype)
+    close = (
+        {"rtol": 1e-4, "atol": 1e-4}
+        if x.dtype == torch.float32
+        else {"rtol": 2**-7, "atol": 2**-7 * 200**0.5}
+    )
+    torch.testing.assert_close(out.float(), expected.float(), **close)
+
+
+def test_every_float8_value_widens_exactly(backend: CpuBackend) -> None:
+    """All 254 finite e4m3 values, denormals included, through the GEMM as one column each: each output is
+    its value times one."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    values = values[~values.float().isnan()]
+    weight = QuantizedWeight(values[:, None].expand(-1, 8).contiguous(), torch.ones(len(values)))
+    x = torch.zeros(1, 8)
+    x[0, 3] = 1.0
+    assert torch.equal(backend.linear(x, weight)[0], values.float())

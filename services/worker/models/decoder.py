@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention, Routing
+from services.worker.models.quantized import check_checkpoint
 from services.worker.models.spec import ModelSpec, partial_rotary_factor, rope_parameters, rotary_dim
 from services.worker.models.weights import LayerWeights, Weights
 
@@ -110,11 +111,7 @@ class CausalLM:
         """Refuse, with ValueError, a config of the family that this code does not compute exactly."""
         quantization = getattr(config, "quantization_config", None)
         if quantization:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-            raise ValueError(
-                f"the checkpoint is quantized ({method}); pagedserve loads unquantized weights "
-                "(bf16, fp16 or fp32)"
-            )
+            check_checkpoint(quantization if isinstance(quantization, dict) else quantization.to_dict())
         for kind in {None, *(getattr(config, "layer_types", None) or ())}:
             rope = rope_parameters(config, kind)
             rope_type = rope.get("rope_type", rope.get("type", "default"))

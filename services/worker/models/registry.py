@@ -20,6 +20,7 @@ from services.worker.models.llama import Llama, Qwen3
 from services.worker.models.mixtral import Mixtral
 from services.worker.models.olmo2 import Olmo2
 from services.worker.models.phi3 import Phi3
+from services.worker.models.quantized import Quantization, quantize_linears
 from services.worker.models.qwen3_moe import Qwen3Moe
 from services.worker.models.spec import ModelSpec, eos_token_ids
 from services.worker.models.weights import load_weights
@@ -63,8 +64,17 @@ def load_spec(model_dir: Path) -> ModelSpec:
 
 
 def load_model(
-    model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: KernelBackend
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: KernelBackend,
+    quantization: Quantization = "none",
 ) -> CausalLM:
-    """The model in model_dir (config.json and safetensors), on device, through backend."""
+    """The model in model_dir (config.json and safetensors), on device, through backend; with int8, its
+    linear layers' weights quantized (those the checkpoint stores quantized stay as they are)."""
     spec = load_spec(model_dir)
-    return family_of(spec.hf_config)(spec, load_weights(model_dir, spec, dtype, device), backend)
+    weights = load_weights(model_dir, spec, dtype, device)
+    if quantization == "int8":
+        quantize_linears(weights)
+    return family_of(spec.hf_config)(spec, weights, backend)

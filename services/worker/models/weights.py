@@ -5,7 +5,8 @@ four GEMMs instead of seven; a checkpoint that fuses them already (Phi-3's `qkv_
 as it is. A mixture of experts' layer stacks its experts into [E, 2I, H] and [E, H, I], whichever names the
 checkpoint gives them (Mixtral's w1, w3, w2 under `block_sparse_moe`; Qwen3-MoE's gate, up and down under
 `mlp`; gpt-oss's stacked, transposed and interleaved tensors, with biases). Biases and norms are kept
-wherever the checkpoint has them; the family says what each one means.
+wherever the checkpoint has them; the family says what each one means. A linear layer's weight that the
+checkpoint stores in 8 bits with its scale (compressed-tensors) loads as it is (models.quantized).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.backend import ExpertWeights
+from kernels.backend import ExpertWeights, Weight
+from services.worker.models.quantized import SCALE_SUFFIX, STORED_DTYPES, concat, stored, with_rows
 from services.worker.models.spec import ModelSpec
 
 # Where a layer's experts sit, and each expert's gate, up and down projections.
@@ -27,18 +29,18 @@ EXPERT_LAYOUTS = {"mlp.": ("gate_proj", "up_proj", "down_proj"), "block_sparse_m
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor | None  # [H]; OLMo 2 has none
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv: Weight  # [(Hq + 2 Hkv) D, H]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [D] per head (Qwen3), or [Hq D] over the whole projection (OLMo 2)
     k_norm: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq D]
+    o: Weight  # [H, Hq D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]: the checkpoint's post_attention_layernorm
     pre_mlp_norm: torch.Tensor | None  # [H]: pre_feedforward_layernorm (Gemma)
     post_mlp_norm: torch.Tensor | None  # [H]: post_feedforward_layernorm (OLMo 2, Gemma)
-    gate_up: torch.Tensor | None  # [2 I, H]; None in a layer of experts
+    gate_up: Weight | None  # [2 I, H]; None in a layer of experts
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | None  # [H, I]
+    down: Weight | None  # [H, I]
     down_bias: torch.Tensor | None
     experts: ExpertWeights | None
     sinks: torch.Tensor | None  # [Hq]: each head's attention sink logit (gpt-oss)
@@ -49,7 +51,7 @@ class Weights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    lm_head: Weight  # [V, H]; the embedding itself when tied (unless quantized)
 
 
 def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Weights:
@@ -64,49 +66,90 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: t
     return weights_from_state_dict(tensors, spec, dtype, device)
 
 
+class Checkpoint:
+    """A checkpoint's tensors, each taken once: in the model's dtype and on its device, but for a linear
+    layer's weight that it stores in 8 bits, which keeps its bits and takes its scale along."""
+
+    # Activation and KV-cache scales of a quantized checkpoint: pagedserve keeps those in the model's dtype.
+    UNUSED = ("rotary_emb", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.tensors, self.spec, self.dtype, self.device = tensors, spec, dtype, device
+
+    def pop(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"the checkpoint has no tensor {name!r}; is it a {self.spec.model_type} model?")
+        return self.tensors.pop(name)
+
+    def take(self, name: str) -> torch.Tensor:
+        tensor = self.pop(name)
+        if tensor.dtype in STORED_DTYPES:
+            raise ValueError(f"{name} is stored in 8 bits; pagedserve loads only linear layers' weights so")
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def take_linear(self, name: str) -> Weight:
+        tensor = self.pop(name)
+        if tensor.dtype not in STORED_DTYPES:
+            return tensor.to(device=self.device, dtype=self.dtype)
+        return stored(tensor, self.pop(name + SCALE_SUFFIX), self.device)
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.take(name) if name in self.tensors else None
+
+    def maybe_linear(self, name: str) -> Weight | None:
+        return self.take_linear(name) if name in self.tensors else None
+
+    def projection(self, prefix: str, parts: tuple[str, ...], whole: str) -> Weight | None:
+        """The parts' weights fused into one (or the checkpoint's own fused one): quantized, or not."""
+        separate = [self.maybe_linear(f"{prefix}{part}.weight") for part in parts]
+        if all(part is None for part in separate):
+            return self.maybe_linear(f"{prefix}{whole}.weight")
+        if any(part is None for part in separate):
+            raise KeyError(f"the checkpoint has some but not all of {parts}")
+        return concat(separate)  # type: ignore[arg-type]
+
+    def bias(self, prefix: str, parts: tuple[str, ...], whole: str) -> torch.Tensor | None:
+        """The parts' biases fused into one, as projection() fuses their weights."""
+        separate = [self.maybe(f"{prefix}{part}.bias") for part in parts]
+        if all(part is None for part in separate):
+            return self.maybe(f"{prefix}{whole}.bias")
+        if any(part is None for part in separate):
+            raise KeyError(f"the checkpoint has some but not all of {parts} (biases)")
+        return torch.cat(separate)  # type: ignore[arg-type]
+
+    def check_all_taken(self) -> None:
+        leftover = [name for name in self.tensors if not any(part in name for part in self.UNUSED)]
+        if leftover:
+            raise KeyError(f"the checkpoint has tensors this model does not use: {leftover[:5]}")
+
+
 def weights_from_state_dict(
     tensors: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype, device: torch.device
 ) -> Weights:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"the checkpoint has no tensor {name!r}; is it a {spec.model_type} model?")
-        return tensors.pop(name).to(device=device, dtype=dtype)
-
-    def maybe(name: str) -> torch.Tensor | None:
-        return take(name) if name in tensors else None
-
-    def fused(*names: str) -> torch.Tensor | None:
-        parts = [maybe(name) for name in names]
-        if all(part is None for part in parts):
-            return None
-        if any(part is None for part in parts):
-            raise KeyError(f"the checkpoint has some but not all of {names}")
-        return torch.cat(parts)  # type: ignore[arg-type]
-
-    def projection(prefix: str, parts: tuple[str, ...], whole: str, suffix: str) -> torch.Tensor | None:
-        separate = fused(*(f"{prefix}{part}.{suffix}" for part in parts))
-        return separate if separate is not None else maybe(f"{prefix}{whole}.{suffix}")
-
+    checkpoint = Checkpoint(tensors, spec, dtype, device)
+    take, maybe = checkpoint.take, checkpoint.maybe
     layers = []
     for i in range(spec.num_layers):
         layer, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         qkv_parts, gate_up_parts = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-        gate_up = projection(mlp, gate_up_parts, "gate_up_proj", "weight")
+        gate_up = checkpoint.projection(mlp, gate_up_parts, "gate_up_proj")
         layers.append(
             LayerWeights(
                 input_norm=maybe(f"{layer}input_layernorm.weight"),
-                qkv=_required(projection(attn, qkv_parts, "qkv_proj", "weight"), f"{attn}q_proj.weight"),
-                qkv_bias=projection(attn, qkv_parts, "qkv_proj", "bias"),
+                qkv=_required(checkpoint.projection(attn, qkv_parts, "qkv_proj"), f"{attn}q_proj.weight"),
+                qkv_bias=checkpoint.bias(attn, qkv_parts, "qkv_proj"),
                 q_norm=maybe(f"{attn}q_norm.weight"),
                 k_norm=maybe(f"{attn}k_norm.weight"),
-                o=take(f"{attn}o_proj.weight"),
+                o=checkpoint.take_linear(f"{attn}o_proj.weight"),
                 o_bias=maybe(f"{attn}o_proj.bias"),
                 post_norm=take(f"{layer}post_attention_layernorm.weight"),
                 pre_mlp_norm=maybe(f"{layer}pre_feedforward_layernorm.weight"),
                 post_mlp_norm=maybe(f"{layer}post_feedforward_layernorm.weight"),
                 gate_up=gate_up,
-                gate_up_bias=projection(mlp, gate_up_parts, "gate_up_proj", "bias"),
-                down=take(f"{mlp}down_proj.weight") if gate_up is not None else None,
+                gate_up_bias=checkpoint.bias(mlp, gate_up_parts, "gate_up_proj"),
+                down=checkpoint.take_linear(f"{mlp}down_proj.weight") if gate_up is not None else None,
                 down_bias=maybe(f"{mlp}down_proj.bias"),
                 experts=None if gate_up is not None else _experts(layer, take, maybe),
                 sinks=maybe(f"{attn}sinks"),
@@ -117,15 +160,13 @@ def weights_from_state_dict(
         if spec.rotary_dim < spec.head_dim:
             _lay_out_for_partial_rotary(layers[-1], spec)
     embed = take("model.embed_tokens.weight")
-    lm_head = maybe("lm_head.weight")
+    lm_head = checkpoint.maybe_linear("lm_head.weight")
     if spec.tie_word_embeddings:
         lm_head = embed  # as transformers does, whatever copy the checkpoint carries
     elif lm_head is None:
         raise KeyError("the checkpoint has no lm_head.weight and does not tie it to the embedding")
     norm = take("model.norm.weight")
-    leftover = [name for name in tensors if "rotary_emb" not in name]
-    if leftover:
-        raise KeyError(f"the checkpoint has tensors this model does not use: {leftover[:5]}")
+    checkpoint.check_all_taken()
     return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
 
 
@@ -178,11 +219,9 @@ def _lay_out_for_partial_rotary(layer: LayerWeights, spec: ModelSpec) -> None:
     q_heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     rows = torch.cat([head * d + order for head in range(q_heads + kv_heads)])  # q heads, then k heads
     turned = slice(0, (q_heads + kv_heads) * d)
-    layer.qkv = layer.qkv.clone()
-    layer.qkv[turned] = layer.qkv[rows.to(layer.qkv.device)]
+    layer.qkv = with_rows(layer.qkv, turned, rows)
     if layer.qkv_bias is not None:
-        layer.qkv_bias = layer.qkv_bias.clone()
-        layer.qkv_bias[turned] = layer.qkv_bias[rows.to(layer.qkv.device)]
+        layer.qkv_bias = with_rows(layer.qkv_bias, turned, rows)  # type: ignore[assignment]
     for name in ("q_norm", "k_norm"):
         norm = getattr(layer, name)
         if norm is not None:  # [D] per head, or [heads D]
@@ -190,7 +229,7 @@ def _lay_out_for_partial_rotary(layer: LayerWeights, spec: ModelSpec) -> None:
             setattr(layer, name, norm.view(heads, d)[:, order.to(norm.device)].reshape(norm.shape))
 
 
-def _required(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
+def _required(tensor: Weight | None, name: str) -> Weight:
     if tensor is None:
         raise KeyError(f"the checkpoint has no tensor {name!r}")
     return tensor

@@ -1,0 +1,79 @@
+// Runs one instruction of a CPU feature on known inputs and says whether it gave the known answer:
+// kernels/cpu_features.py calls this in a child process, where an instruction the CPU or the kernel refuses
+// (SIGILL) ends the child, not the worker. Each probe is compiled for its feature alone (a target
+// attribute), so that a build for any x86-64 level has them all.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr uint16_t kOne = 0x3F80, kTwo = 0x4000;  // 1.0 and 2.0 as bfloat16
+
+// vdpbf16ps: each float32 lane adds the products of its two bf16 pairs: 0.5 + 1 * 2 + 1 * 2.
+__attribute__((target("avx512f,avx512bf16"))) bool avx512_bf16() {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(static_cast<int16_t>(kOne));
+  const __m512bh twos = (__m512bh)_mm512_set1_epi16(static_cast<int16_t>(kTwo));
+  float out[16];
+  _mm512_storeu_ps(out, _mm512_dpbf16_ps(_mm512_set1_ps(0.5f), ones, twos));
+  for (const float v : out) {
+    if (v != 4.5f) return false;
+  }
+  return true;
+}
+
+// AMX: the kernel must grant this process the tiles' state (Linux 5.16+), then one tile product of bf16
+// pairs: C[16 x 16] = A[16 x 32] B[16 pairs x 16 x 2], each sum 32 * 1 * 2.
+constexpr int kArchRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) bool amx_bf16() {
+  TORCH_CHECK(syscall(SYS_arch_prctl, kArchRequestPermission, kTileData) == 0,
+              "the kernel does not grant this process AMX's tile state");
+  TileConfig config;
+  for (int tile = 0; tile < 3; ++tile) {
+    config.rows[tile] = 16;
+    config.bytes_per_row[tile] = 64;
+  }
+  alignas(64) uint16_t a[16 * 32], b[16 * 32];
+  alignas(64) float c[16 * 16];
+  std::fill_n(a, 16 * 32, kOne);
+  std::fill_n(b, 16 * 32, kTwo);
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_loadd(1, a, 64);
+  _tile_loadd(2, b, 64);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, c, 64);
+  _tile_release();
+  for (const float v : c) {
+    if (v != 64.0f) return false;
+  }
+  return true;
+}
+
+}  // namespace
+#endif
+
+// Whether feature (avx512_bf16 or amx_bf16) ran and gave the right answer; an unknown name is a ValueError.
+bool probe_feature(const std::string& feature) {
+#if defined(__x86_64__)
+  if (feature == "avx512_bf16") return avx512_bf16();
+  if (feature == "amx_bf16") return amx_bf16();
+#endif
+  TORCH_CHECK_VALUE(feature == "avx512_bf16" || feature == "amx_bf16", "no probe for ", feature);
+  return false;  // not an x86-64 CPU
+}

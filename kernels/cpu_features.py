@@ -1,0 +1,134 @@
+"""Which of this CPU's bfloat16 instructions a process can actually run, tested, not read off its flags.
+
+A CPU's flags (and the cpuinfo library torch reads them through) say what the silicon has. Whether a
+process may run it is another matter: AMX's tiles need the kernel's leave (arch_prctl), and a hypervisor may
+advertise what it does not pass through; these machines advertise AMX, and llama.cpp built with its AMX
+paths dies of SIGILL on them. So each feature that is advertised is run once, on known inputs, in a child
+process (`probe_feature` in kernels/cpu/features.cpp): a SIGILL, a wrong answer or a hang there costs the
+child, and the worker goes on without the feature, saying why.
+
+- `avx512_bf16` (vdpbf16ps): the few-row GEMM's bfloat16 dot products. Its probe also runs that GEMM both
+  ways on random inputs, so that a path this machine cannot check otherwise is checked where it runs.
+- `amx_bf16`: oneDNN's bfloat16 GEMMs (torch's F.linear), which use the tiles where it finds them.
+
+Either makes bfloat16 this CPU's best dtype (`best_dtype`); without both, float32 is faster, since a
+bfloat16 GEMM is then widened to float32 anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FEATURES = ("avx512_bf16", "amx_bf16")
+PROBE_TIMEOUT_S = (
+    120  # a child that imports torch and loads the ops; a hung instruction must not hang a start
+)
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    usable: bool
+    why: str  # what the probe found, for the log
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    avx512_bf16: Feature
+    amx_bf16: Feature
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bfloat16 GEMMs run in hardware here (dot products or tiles)."""
+        return self.avx512_bf16.usable or self.amx_bf16.usable
+
+    def best_dtype(self) -> tuple[torch.dtype, str]:
+        """bfloat16 where the CPU runs it in hardware, else float32; and why, for the log."""
+        found = "; ".join(feature.why for feature in (self.avx512_bf16, self.amx_bf16))
+        if self.native_bf16:
+            return torch.bfloat16, f"bfloat16, which this CPU runs in hardware ({found})"
+        return torch.float32, f"float32: this CPU has no bfloat16 arithmetic that runs here ({found})"
+
+
+def advertised() -> set[str]:
+    """The features of FEATURES that the CPU's flags (through torch's cpuinfo) claim."""
+    capabilities = torch.cpu.get_capabilities()
+    return {name for name in FEATURES if capabilities.get(name)}
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    """Each feature advertised, probed in a child process; one that is not advertised is not probed."""
+    claimed = advertised()
+    found = {
+        name: probe(name) if name in claimed else Feature(name, False, f"no {name}") for name in FEATURES
+    }
+    return CpuFeatures(**found)
+
+
+def probe(name: str) -> Feature:
+    """Runs the feature in a child: usable only if the child ran it and got the known answers."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kernels.cpu_features", name],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return Feature(name, False, f"{name} is advertised, but its probe hung for {PROBE_TIMEOUT_S} s")
+    if done.returncode == 0:
+        return Feature(name, True, f"{name} ran")
+    if done.returncode == -signal.SIGILL:
+        return Feature(name, False, f"{name} is advertised, but running it raised SIGILL")
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return Feature(
+        name, False, f"{name} is advertised, but its probe failed (exit {done.returncode}: {last})"
+    )
+
+
+def _check_dot_bf16(ops: object) -> None:
+    """The few-row GEMM with vdpbf16ps against the same GEMM widened to float32, on random inputs."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, k, n in ((1, 576, 64), (5, 1000, 33), (16, 64, 8)):
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        w = torch.randn(n, k, generator=generator).bfloat16()
+        bias = torch.randn(n, generator=generator).bfloat16()
+        dot = ops.skinny_linear(x, w, None, bias, True)  # type: ignore[attr-defined]
+        widened = ops.skinny_linear(x, w, None, bias, False)  # type: ignore[attr-defined]
+        torch.testing.assert_close(dot.float(), widened.float(), rtol=2e-2, atol=2e-2 * k**0.5)
+
+
+def main(name: str) -> int:
+    """The child's side: 0 when the feature gives the right answers, 1 when not; SIGILL kills it first."""
+    from kernels.cpu_backend import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        print("the C++ CPU kernels are not built, so nothing can run the probe", file=sys.stderr)
+        return 1
+    try:
+        right = ops.probe_feature(name)
+    except RuntimeError as exc:  # refused before it ran
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        return 1
+    if not right:
+        print(f"{name} ran, but gave a wrong answer", file=sys.stderr)
+        return 1
+    if name == "avx512_bf16":
+        _check_dot_bf16(ops)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main(sys.argv[1]))

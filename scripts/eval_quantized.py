@@ -1,0 +1,170 @@
+"""How close a model in int8 (or bfloat16) stays to the same model in float32, on a fixed set of prompts.
+
+    python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,bfloat16]
+
+Each prompt is a chat message through the model's chat template. For each, the float32 model's greedy
+continuation of --tokens tokens is the reference, and the other model is measured three ways:
+- greedy agreement: the share of prompts whose greedy continuation is the reference, token for token, and
+  the mean number of tokens it follows the reference before it first differs;
+- teacher-forced top-1 agreement: fed the prompt and the reference, the share of the continuation's
+  positions where its most likely next token is float32's;
+- the mean KL divergence KL(float32 || other) of the next-token distributions over those positions.
+
+Both run the worker's own model code on the C++ CPU kernels; the greedy continuations come from the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import AttentionMetadata  # noqa: E402
+from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from services.common.default_model import resolve_model  # noqa: E402
+from services.common.request import EngineRequest  # noqa: E402
+from services.common.sampling import SamplingOptions  # noqa: E402
+from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.kv.local import LocalKVCache  # noqa: E402
+from services.worker.models import CausalLM, load_model  # noqa: E402
+from services.worker.models.quantized import Quantization  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Explain photosynthesis to a ten-year-old.",
+    "What are three tips for staying focused while studying?",
+    "Translate 'Good morning, how are you?' into Spanish.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What is 17 multiplied by 23?",
+    "Give me a short poem about the sea.",
+    "How does a hash table work?",
+    "What causes the seasons on Earth?",
+    "List five animals that live in the Arctic.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn leaves.",
+    "Why is the sky blue?",
+    "Suggest a name for a coffee shop.",
+    "How do I make a cup of tea?",
+    "What is machine learning?",
+    "Describe the water cycle.",
+    "What should I pack for a weekend camping trip?",
+    "Tell me a fun fact about octopuses.",
+]
+PAGE_SIZE = 16
+
+
+@dataclass
+class Variant:
+    name: str
+    model: CausalLM
+
+
+def load(model_dir: Path, dtype: torch.dtype, quantization: Quantization) -> CausalLM:
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit("the C++ CPU kernels could not be built here")
+    backend = CpuBackend(ops)
+    return load_model(
+        model_dir, dtype=dtype, device=torch.device("cpu"), backend=backend, quantization=quantization
+    )
+
+
+def greedy(model: CausalLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation, through the engine."""
+    kv = LocalKVCache(model.spec.pool_shape(str(model.dtype).removeprefix("torch."), PAGE_SIZE), 1024)
+    engine = EngineCore(model, kv, EngineConfig(max_num_seqs=len(prompts)))
+    options = SamplingOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for key, prompt in enumerate(prompts):
+        engine.add(engine.new_sequence(key, EngineRequest(tuple(prompt), options)))
+    out: list[list[int]] = [[] for _ in prompts]
+    for output in engine.run_until_done():
+        out[output.key] += output.token_ids  # type: ignore[index]
+    return out
+
+
+def logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
+    """The model's next-token logits [len(tokens), V] at every position, from one prefill of tokens."""
+    n = len(tokens)
+    pages = -(-n // PAGE_SIZE)
+    spec = model.spec
+    assert spec.kv_groups.count == 1, "one group of layers: one block table"
+    kv = torch.zeros(
+        spec.pool_shape(str(model.dtype).removeprefix("torch."), PAGE_SIZE).tensor_shape(pages + 1)
+    )
+    kv = kv.to(model.dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n) + PAGE_SIZE,  # pages 1, 2, ...: page 0 is the null page
+        block_tables=torch.arange(1, pages + 1)[None, :],
+        seq_lens=torch.tensor([n]),
+        query_start=torch.tensor([0, n]),
+        num_decodes=0,
+        seq_lens_host=(n,),
+        query_start_host=(0, n),
+        prefill_seq=torch.zeros(n, dtype=torch.int64),
+        prefill_pos=torch.arange(n),
+        decode_max_len=0,
+    )
+    ids = torch.tensor(tokens)
+    return model.forward(ids, torch.arange(n), [meta], kv, torch.arange(n))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--dtypes", default="int8,bfloat16", help="what to compare with float32")
+    args = parser.parse_args()
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in PROMPTS
+    ]
+    prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    reference_model = load(model_dir, torch.float32, "none")
+    reference = greedy(reference_model, prompts, args.tokens)
+    reference_logits = [
+        logits(reference_model, p + r)[len(p) - 1 : -1].float()
+        for p, r in zip(prompts, reference, strict=True)
+    ]
+    print(f"{len(PROMPTS)} prompts, {args.tokens} greedy tokens each, against float32 ({model_dir.name})\n")
+    print("| model | same continuation | tokens before the first difference | top-1 agreement | mean KL |")
+    print("|---|---|---|---|---|")
+    for name in args.dtypes.split(","):
+        model = (
+            load(model_dir, torch.float32, "int8")
+            if name == "int8"
+            else load(model_dir, getattr(torch, name), "none")
+        )
+        continuations = greedy(model, prompts, args.tokens)
+        same = sum(c == r for c, r in zip(continuations, reference, strict=True))
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(c, r, strict=True)) if a != b), len(r))
+            for c, r in zip(continuations, reference, strict=True)
+        ]
+        agree, kl, positions = 0, 0.0, 0
+        for prompt, ref, expected in zip(prompts, reference, reference_logits, strict=True):
+            actual = logits(model, prompt + ref)[len(prompt) - 1 : -1].float()
+            agree += int((actual.argmax(-1) == expected.argmax(-1)).sum())
+            p, q = expected.log_softmax(-1), actual.log_softmax(-1)
+            kl += float((p.exp() * (p - q)).sum())
+            positions += len(ref)
+        label = "int8 weights (float32 activations)" if name == "int8" else name
+        print(
+            f"| {label} | {same}/{len(prompts)} | {sum(prefix) / len(prefix):.1f} of {args.tokens} "
+            f"| {agree / positions:.2%} | {kl / positions:.4f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""8-bit weights for the linear layers: quantized at load (`--quantization int8`), or read as a checkpoint
+stores them in compressed-tensors' format (as vLLM loads it), without quantizing again.
+
+At load, each weight gets one float32 scale per output row (symmetric, per channel): max |w| / 127, so the
+row's largest value is exact and the rest round to the nearest of 255 steps. The linear layers are the
+attention's QKV and output projections, the dense MLP's, and the vocabulary projection (a copy of the
+embedding's, where the two are tied: the embedding's lookup keeps the model's dtype); a mixture of experts'
+weights keep the model's dtype. The backends take the product in float32 with the scale applied to the sums
+(kernels.backend.QuantizedWeight), so activations stay in the model's dtype: weight-only quantization,
+which on a CPU without VNNI or AMX was faster here than int8 activations (scripts/bench_quantized.py).
+
+A compressed-tensors checkpoint (config.json's quantization_config, quant_method "compressed-tensors")
+loads where each quantized weight is int8 or float8 (e4m3), symmetric, with a scale per output channel or one
+per tensor (`<name>.weight_scale`): the formats llm-compressor writes for W8A8 and FP8 models. Its
+activation settings (dynamic int8 or float8 inputs) are not applied: activations stay in the model's dtype,
+which only removes a rounding. Anything else (4-bit, groups, blocks, zero points) is refused with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from kernels.backend import QuantizedWeight, Weight
+
+if TYPE_CHECKING:
+    from services.worker.models.weights import Weights
+
+Quantization = Literal["none", "int8"]
+STORED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # what a checkpoint's 8-bit weights may be
+SCALE_SUFFIX = "_scale"  # compressed-tensors stores <module>.weight beside <module>.weight_scale
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """weight [N, K] as int8 with one scale a row: max |w| / 127 (1 for a row of zeros)."""
+    wide = weight.float()
+    scale = wide.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = torch.round(wide / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(data.contiguous(), scale.contiguous())
+
+
+def quantize_linears(weights: Weights) -> None:
+    """Every linear layer's weight of a loaded model to int8, in place; a weight the checkpoint stored
+    quantized stays as it is."""
+
+    def quantized(weight: Weight) -> Weight:
+        return weight if isinstance(weight, QuantizedWeight) else quantize_int8(weight)
+
+    for layer in weights.layers:
+        layer.qkv = quantized(layer.qkv)
+        layer.o = quantized(layer.o)
+        if layer.gate_up is not None and layer.down is not None:
+            layer.gate_up = quantized(layer.gate_up)
+            layer.down = quantized(layer.down)
+    weights.lm_head = quantized(weights.lm_head)
+
+
+def stored(weight: torch.Tensor, scale: torch.Tensor, device: torch.device) -> QuantizedWeight:
+    """A checkpoint's 8-bit weight [N, K] with its scale ([N, 1] or [N] per channel, [1] or [] per tensor)."""
+    rows = weight.shape[0]
+    wide = scale.float().flatten()
+    if wide.numel() == 1:
+        wide = wide.expand(rows)
+    if wide.numel() != rows:
+        raise ValueError(f"a weight scale shaped {tuple(scale.shape)} fits neither {rows} rows nor a tensor")
+    return QuantizedWeight(weight.contiguous().to(device), wide.contiguous().to(device))
+
+
+def concat(parts: list[Weight]) -> Weight:
+    """Weights of one input stacked by rows (Q, K and V; gate and up): all quantized, or none."""
+    plain = [part for part in parts if isinstance(part, torch.Tensor)]
+    if len(plain) == len(parts):
+        return torch.cat(plain)
+    quantized = [part for part in parts if isinstance(part, QuantizedWeight)]
+    if len(quantized) != len(parts):
+        raise ValueError("the checkpoint quantizes some but not all of the projections pagedserve fuses")
+    return QuantizedWeight(torch.cat([q.data for q in quantized]), torch.cat([q.scale for q in quantized]))
+
+
+def with_rows(weight: Weight, rows: slice, source: torch.Tensor) -> Weight:
+    """A copy of weight whose rows[rows] are its rows[source] (a permutation of some of its rows)."""
+    if isinstance(weight, QuantizedWeight):
+        source = source.to(weight.data.device)
+        data, scale = weight.data.clone(), weight.scale.clone()
+        data[rows], scale[rows] = weight.data[source], weight.scale[source]
+        return QuantizedWeight(data, scale)
+    source = source.to(weight.device)
+    out = weight.clone()
+    out[rows] = weight[source]
+    return out
+
+
+def check_checkpoint(quantization: dict[str, Any]) -> None:
+    """Refuse, with ValueError, a quantization_config whose weights this code does not compute exactly."""
+    method = quantization.get("quant_method", "?")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"the checkpoint is quantized ({method}); pagedserve loads unquantized weights (bf16, fp16 or "
+            "fp32), or int8 and FP8 weights in compressed-tensors' format"
+        )
+    for name, group in (quantization.get("config_groups") or {}).items():
+        scheme = group.get("weights") or {}
+        kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
+        problems = [
+            *([f"{bits}-bit weights"] if bits != 8 else []),
+            *([f"weights of type {kind}"] if kind not in ("int", "float") else []),
+            *([f"the {strategy} strategy"] if strategy not in ("channel", "tensor") else []),
+            *(["asymmetric weights"] if not scheme.get("symmetric", True) else []),
+            *(["dynamic weight scales"] if scheme.get("dynamic") else []),
+        ]
+        if problems:
+            raise ValueError(
+                f"the checkpoint's {name} has {', '.join(problems)}; pagedserve loads compressed-tensors "
+                "checkpoints of symmetric 8-bit int or float weights, scaled per channel or per tensor"
+            )
