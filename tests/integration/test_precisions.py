@@ -1,0 +1,96 @@
+"""A whole stack on the default model in each precision the worker serves on a CPU: `--dtype bfloat16` (a
+bfloat16 pool in the daemon), `--quantization int8`, and `--dtype auto`, whose worker says what it picked and
+why. Each stack's greedy tokens are those of the same model run in this process through the engine, so
+the flags reach the worker's model and pool; a precision that does not exist is refused by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu_backend import CpuBackend, cpu_ops
+from kernels.cpu_features import cpu_features
+from services.client import Client
+from services.common.default_model import default_model_dir
+from services.common.request import EngineRequest
+from services.common.sampling import SamplingOptions
+from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.kv.local import LocalKVCache
+from services.worker.models import load_model
+from services.worker.models.quantized import Quantization
+from tests.procs import start_stack
+
+PROMPT = "What is the capital of France?"
+TOKENS = 24
+
+
+def in_process(dtype: torch.dtype, quantization: Quantization, prompt: list[int]) -> list[int]:
+    ops = cpu_ops()
+    assert ops is not None
+    model = load_model(
+        default_model_dir(),
+        dtype=dtype,
+        device=torch.device("cpu"),
+        backend=CpuBackend(ops, cpu_features()),
+        quantization=quantization,
+    )
+    kv = LocalKVCache(model.spec.pool_shape(str(dtype).removeprefix("torch."), 16), 64)  # type: ignore[arg-type]
+    engine = EngineCore(model, kv, EngineConfig())
+    engine.add(
+        engine.new_sequence(
+            0, EngineRequest(tuple(prompt), SamplingOptions(max_tokens=TOKENS, temperature=0.0))
+        )
+    )
+    return [token for output in engine.run_until_done() for token in output.token_ids]
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "quantization", "says"),
+    [
+        (("--dtype", "bfloat16"), torch.bfloat16, "none", "dtype: bfloat16, as --dtype says"),
+        (("--quantization", "int8"), torch.float32, "int8", "float32, int8 linear layers"),
+    ],
+    ids=["bfloat16", "int8"],
+)
+def test_a_stack_serves_the_precision_asked_for(
+    run_dir: Path, flags: tuple[str, ...], dtype: torch.dtype, quantization: Quantization, says: str
+) -> None:
+    stack = start_stack(run_dir, *flags, "--kv-memory", "64MiB")
+    try:
+        with Client(stack.address, timeout_s=120) as client:
+            info = client.model_info()
+            assert info.dtype == str(dtype).removeprefix("torch.")
+            prompt = client.tokenize(PROMPT)
+            served = [
+                t
+                for r in client.stream(token_ids=prompt, max_tokens=TOKENS, temperature=0.0)
+                for t in r.token_ids
+            ]
+    finally:
+        assert stack.stop() == 0, stack.log()
+    assert says in stack.log()
+    assert served == in_process(dtype, quantization, prompt)
+
+
+def test_auto_says_what_it_picked_and_why(run_dir: Path) -> None:
+    dtype, why = cpu_features().best_dtype()
+    stack = start_stack(run_dir, "--dtype", "auto", "--kv-memory", "64MiB")
+    try:
+        with Client(stack.address, timeout_s=60) as client:
+            assert client.model_info().dtype == str(dtype).removeprefix("torch.")
+    finally:
+        assert stack.stop() == 0, stack.log()
+    assert f"dtype: {why}" in stack.log()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--quantization", "int4"), ("--dtype", "float64")])
+def test_a_precision_that_does_not_exist_is_refused_by_name(flag: str, value: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", flag, value], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert f"argument {flag}: invalid choice: '{value}'" in done.stderr
