@@ -79,11 +79,15 @@ class Block {
     for (int64_t k0 = first_key(first_pos, s_.window); k0 <= last_pos; k0 += kKeyTile) {
       const int64_t keys = std::min(kKeyTile, last_pos + 1 - k0);
       gather(k_data, v_data, table, k0, keys, task.head);
-      for (int64_t i = 0; i < task.count; ++i) {
-        const int64_t p = first_pos + i;
-        const int64_t lo = std::max<int64_t>(first_key(p, s_.window) - k0, 0), hi = std::min(p + 1 - k0, keys);
-        if (lo >= hi) continue;  // this token sees none of the tile
-        for (int64_t g = 0; g < group; ++g) attend(i * group + g, lo, hi);
+      float scores[2][kKeyTile];
+      for (int64_t r = 0; r < rows; r += 2) {
+        const int64_t count = std::min<int64_t>(2, rows - r);
+        score(r, count, scores);
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t p = first_pos + (r + k) / group;  // the row's token's position
+          const int64_t lo = std::max<int64_t>(first_key(p, s_.window) - k0, 0), hi = std::min(p + 1 - k0, keys);
+          if (lo < hi) update(r + k, scores[k], lo, hi);  // else this token sees none of the tile
+        }
       }
     }
     for (int64_t i = 0; i < task.count; ++i) {
@@ -119,17 +123,30 @@ class Block {
     }
   }
 
-  // Row r against the tile's keys [lo, hi): its scores, then the running max, sum and output.
-  void attend(int64_t r, int64_t lo, int64_t hi) {
+  // The scaled scores of rows r and r + 1 (r alone when count is 1) against each key of the tile: two rows
+  // at a time share each K vector loaded.
+  void score(int64_t r, int64_t count, float (&out)[2][kKeyTile]) const {
     const int64_t dim = dim_;
-    const float* query = q_.data() + r * dim;
-    Vec scores[kKeyVecs] = {};
+    const float* first = q_.data() + r * dim;
+    const float* second = count > 1 ? first + dim : first;
+    Vec a[kKeyVecs] = {}, b[kKeyVecs] = {};
     for (int64_t d = 0; d < dim; ++d) {
-      const float qd = query[d];
-      for (int64_t v = 0; v < kKeyVecs; ++v) scores[v] += qd * load(kt_.data() + d * kKeyTile + v * kLanes);
+      const float* keys = kt_.data() + d * kKeyTile;
+      const float qa = first[d], qb = second[d];
+      for (int64_t v = 0; v < kKeyVecs; ++v) {
+        const Vec k = load(keys + v * kLanes);
+        a[v] += qa * k;
+        b[v] += qb * k;
+      }
     }
-    float row[kKeyTile];
-    for (int64_t v = 0; v < kKeyVecs; ++v) store(row + v * kLanes, scores[v]);
+    for (int64_t v = 0; v < kKeyVecs; ++v) {
+      store(out[0] + v * kLanes, a[v]);
+      store(out[1] + v * kLanes, b[v]);
+    }
+  }
+
+  // Row r's running max, sum and output, after its scores (row) against the tile's keys [lo, hi).
+  void update(int64_t r, float* row, int64_t lo, int64_t hi) {
     float top = top_[r];
     for (int64_t j = lo; j < hi; ++j) {
       if (s_.softcap > 0.0f) row[j] = s_.softcap * std::tanh(row[j] / s_.softcap);
@@ -144,15 +161,36 @@ class Block {
     }
     top_[r] = top;
     sum_[r] = sum_[r] * rescale + sum;
-    float* acc = acc_.data() + r * dim;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
-    for (int64_t j = lo; j < hi; ++j) {
-      const float w = row[j];
-      const float* value = vt_.data() + j * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[d] += w * value[d];
+    float* acc = acc_.data() + r * dim_;
+    if (dim_ % kLanes != 0) {  // a head too narrow for the vectors: one float at a time
+      for (int64_t d = 0; d < dim_; ++d) acc[d] *= rescale;
+      for (int64_t j = lo; j < hi; ++j) {
+        for (int64_t d = 0; d < dim_; ++d) acc[d] += row[j] * vt_[j * dim_ + d];
+      }
+      return;
     }
+    int64_t d0 = 0;  // the output in runs of 8, 4, 2 or 1 vectors, each held in registers over the keys
+    for (; d0 + 8 * kLanes <= dim_; d0 += 8 * kLanes) accumulate<8>(acc, d0, row, lo, hi, rescale);
+    for (int vecs = 4; vecs >= 1; vecs /= 2) {
+      if (d0 + vecs * kLanes > dim_) continue;
+      if (vecs == 4) accumulate<4>(acc, d0, row, lo, hi, rescale);
+      if (vecs == 2) accumulate<2>(acc, d0, row, lo, hi, rescale);
+      if (vecs == 1) accumulate<1>(acc, d0, row, lo, hi, rescale);
+      d0 += vecs * kLanes;
+    }
+  }
+
+  // acc[d0 .. d0 + kVecs lanes) = acc * rescale + sum over keys [lo, hi) of weights[j] * V[j].
+  template <int kVecs>
+  void accumulate(float* acc, int64_t d0, const float* weights, int64_t lo, int64_t hi, float rescale) const {
+    Vec out[kVecs];
+    for (int v = 0; v < kVecs; ++v) out[v] = load(acc + d0 + v * kLanes) * rescale;
+    for (int64_t j = lo; j < hi; ++j) {
+      const float w = weights[j];
+      const float* value = vt_.data() + j * dim_ + d0;
+      for (int v = 0; v < kVecs; ++v) out[v] += w * load(value + v * kLanes);
+    }
+    for (int v = 0; v < kVecs; ++v) store(acc + d0 + v * kLanes, out[v]);
   }
 
   const Shape s_;
