@@ -5,7 +5,10 @@ instruction, which must fault in the child and leave this process running."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,3 +67,35 @@ def test_a_dtype_given_is_taken_as_it_is(backend: CpuBackend) -> None:
     dtype, why = model_dtype(WorkerConfig(device="cpu"), backend)
     assert (dtype == torch.bfloat16) == cpu_features.cpu_features().native_bf16
     assert why.startswith(str(dtype).removeprefix("torch."))
+
+
+ONEDNN_GEMM = """
+import torch
+from kernels.cpu_backend import CpuBackend, cpu_ops
+from kernels.cpu_features import cpu_features
+backend = CpuBackend(cpu_ops(), cpu_features())
+x, w = torch.randn(64, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+out = backend.linear(x, w)
+torch.testing.assert_close(out.float(), (x.float() @ w.float().T), rtol=2**-7, atol=0.2)
+"""
+
+
+def test_a_bfloat16_gemm_of_many_rows_runs_where_the_cpu_has_bfloat16_arithmetic() -> None:
+    """Past the few-row GEMM, a bfloat16 product goes to torch's F.linear only where the CPU multiplies
+    bfloat16 in hardware, and there oneDNN's own log (ONEDNN_VERBOSE) must show a bfloat16 matmul of the
+    instruction set probed; elsewhere it is widened to float32 (MKL), and oneDNN runs no bfloat16 matmul."""
+    done = subprocess.run(
+        [sys.executable, "-c", ONEDNN_GEMM],
+        env={**os.environ, "ONEDNN_VERBOSE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    matmuls = [line for line in done.stdout.splitlines() if ",exec," in line and ",matmul," in line]
+    found = cpu_features.cpu_features()
+    if found.native_bf16:
+        isa = "amx" if found.amx_bf16.usable else "avx512_core_bf16"
+        assert any(isa in line and "src:bf16" in line for line in matmuls), done.stdout[-2000:]
+    else:
+        assert not any("src:bf16" in line for line in matmuls), done.stdout[-2000:]

@@ -7,6 +7,7 @@ bfloat16 op by op), so they agree to within one rounding of bfloat16: half a ste
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from kernels import QuantizedWeight, Weight
 from kernels.cpu_backend import QUANTIZED_SKINNY_ROWS, CpuBackend, cpu_ops
+from kernels.cpu_features import cpu_features
 from kernels.torch_ref import TorchBackend
 from services.worker.models.decoder import rotary_table
 from tests.kernels.steps import llama_spec
@@ -31,6 +33,14 @@ def backend() -> CpuBackend:
     ops = cpu_ops()
     assert ops is not None, "a compiler is here, so the C++ ops must build"
     return CpuBackend(ops)
+
+
+@pytest.fixture(scope="module")
+def backends(backend: CpuBackend) -> list[CpuBackend]:
+    """The backend without bfloat16 arithmetic, and, where this CPU was seen to run it, the one whose
+    few-row GEMM multiplies bfloat16 pairs with vdpbf16ps."""
+    found = cpu_features()
+    return [backend, CpuBackend(cpu_ops(), found)] if found.avx512_bf16.usable else [backend]
 
 
 def padded_rows(
@@ -150,13 +160,13 @@ def linear_case(
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 100), (4099, 64), (576, 1536)], ids=str)
-def test_skinny_linear(backend: CpuBackend, rows: int, n: int, k: int, weights: str) -> None:
+def test_skinny_linear(backends: list[CpuBackend], rows: int, n: int, k: int, weights: str) -> None:
     """Every block shape (rows and W rows not multiples of 4, K not a multiple of the vector width), each
     kind of weight: the sums in float32, rounded once to x's dtype."""
     gen = torch.Generator().manual_seed(rows * n + k)
     x, weight, bias = linear_case(gen, rows, n, k, weights)
 
-    for b in (None, bias):
+    for backend, b in itertools.product(backends, (None, bias)):
         out = backend.linear(x, weight, b)
         assert out.shape == (rows, n) and out.dtype == x.dtype and not out.isnan().any()
         wide = weight if isinstance(weight, QuantizedWeight) else weight.float()
