@@ -256,7 +256,7 @@ class CpuBackend(TorchBackend):
         if isinstance(weight, QuantizedWeight):
             if rows > QUANTIZED_SKINNY_ROWS:
                 return quantized_linear(x, weight, bias)
-            return self._ops.skinny_linear(x, weight.data, weight.scale, bias, False)
+            return self._ops.skinny_linear(x, weight.data, weight.scale, bias, self._dot_bf16)
         if rows <= SKINNY_ROWS:
             return self._ops.skinny_linear(x, weight, None, bias, self._dot_bf16)
         if x.dtype == torch.bfloat16 and not self._native_bf16:
