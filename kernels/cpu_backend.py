@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 # slower at 2-16 rows than at 1 (scripts/bench_cpu_ops.py measures both).
 SKINNY_ROWS = 16
 # An int8 or float8 weight takes skinny_linear for more rows: widening it there, a few rows at a time, costs
-# less than widening all of it for MKL (scripts/bench_quantized.py).
+# less than widening all of it for MKL (scripts/bench_quantized.py). With vdpbf16ps, an int8 weight against
+# bfloat16 rows takes it for any number of rows: twice MKL's float32 rate at 256 rows here.
 QUANTIZED_SKINNY_ROWS = 128
 
 CSRC = Path(__file__).parent / "cpu"
@@ -254,7 +255,8 @@ class CpuBackend(TorchBackend):
             return super().linear(x, weight, bias)
         rows = x.shape[0]
         if isinstance(weight, QuantizedWeight):
-            if rows > QUANTIZED_SKINNY_ROWS:
+            dot_int8 = self._dot_bf16 and x.dtype == torch.bfloat16 and weight.data.dtype == torch.int8
+            if rows > QUANTIZED_SKINNY_ROWS and not dot_int8:
                 return quantized_linear(x, weight, bias)
             return self._ops.skinny_linear(x, weight.data, weight.scale, bias, self._dot_bf16)
         if rows <= SKINNY_ROWS:
