@@ -30,9 +30,11 @@ def summaries(folder: Path, workload: str) -> dict[str, dict]:
 
 def row(name: str, s: dict) -> str:
     errors = sum(s["errors"].values())
+    completed = f"{s['completed']}/{s['requests']}" + (f" ({errors} errors)" if errors else "")
+    ttft, tpot = s["ttft_s"], s["tpot_s"]
     return (
-        f"| {name} | {s['output_tokens_per_s']:.1f} | {s['ttft_s']['p50']:.2f} s | {s['ttft_s']['p99']:.2f} s | "
-        f"{s['tpot_s']['p50'] * 1e3:.0f} ms | {s['completed']}/{s['requests']}{f' ({errors} errors)' if errors else ''} |"
+        f"| {name} | {s['output_tokens_per_s']:.1f} | {ttft['p50']:.2f} s | {ttft['p99']:.2f} s | "
+        f"{tpot['p50'] * 1e3:.0f} ms | {completed} |"
     )
 
 
@@ -52,7 +54,8 @@ def table(folder: Path) -> str:
             a, b = ours[best], peers[peer]
             lines += [
                 "",
-                f"{best} against {peer}: output tokens/s {a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, "
+                f"{best} against {peer}: output tokens/s "
+                f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, "
                 f"TPOT p50 {a['tpot_s']['p50'] / b['tpot_s']['p50']:.2f}x, "
                 f"TTFT p99 {a['ttft_s']['p99'] / b['ttft_s']['p99']:.2f}x "
                 "(above 1 is better for tokens/s, below 1 for latencies).",

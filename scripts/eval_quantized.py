@@ -1,6 +1,8 @@
 """How close a model in int8 (or bfloat16) stays to the same model in float32, on a fixed set of prompts.
 
-    python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,bfloat16]
+    python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,bfloat16,int8-bfloat16]
+
+int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations.
 
 Each prompt is a chat message through the model's chat template. For each, the float32 model's greedy
 continuation of --tokens tokens is the reference, and the other model is measured three ways:
@@ -10,7 +12,8 @@ continuation of --tokens tokens is the reference, and the other model is measure
   positions where its most likely next token is float32's;
 - the mean KL divergence KL(float32 || other) of the next-token distributions over those positions.
 
-Both run the worker's own model code on the C++ CPU kernels; the greedy continuations come from the engine.
+All run the worker's own model code on the C++ CPU kernels, with the instructions the worker would use on
+this CPU (kernels/cpu_features.py); the greedy continuations come from the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import AttentionMetadata  # noqa: E402
 from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import resolve_model  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
@@ -59,6 +63,12 @@ PROMPTS = [
     "Tell me a fun fact about octopuses.",
 ]
 PAGE_SIZE = 16
+# What --dtypes names: the model's dtype (its activations) and its weights' quantization.
+VARIANTS: dict[str, tuple[torch.dtype, Quantization]] = {
+    "int8": (torch.float32, "int8"),
+    "bfloat16": (torch.bfloat16, "none"),
+    "int8-bfloat16": (torch.bfloat16, "int8"),
+}
 
 
 @dataclass
@@ -71,7 +81,7 @@ def load(model_dir: Path, dtype: torch.dtype, quantization: Quantization) -> Cau
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("the C++ CPU kernels could not be built here")
-    backend = CpuBackend(ops)
+    backend = CpuBackend(ops, cpu_features())
     return load_model(
         model_dir, dtype=dtype, device=torch.device("cpu"), backend=backend, quantization=quantization
     )
@@ -120,8 +130,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default="int8,bfloat16", help="what to compare with float32")
+    parser.add_argument("--dtypes", default=",".join(VARIANTS), help="what to compare with float32")
     args = parser.parse_args()
+    unknown = set(args.dtypes.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--dtypes takes {', '.join(VARIANTS)}, not {', '.join(sorted(unknown))}")
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [
@@ -141,11 +154,8 @@ def main() -> None:
     print("| model | same continuation | tokens before the first difference | top-1 agreement | mean KL |")
     print("|---|---|---|---|---|")
     for name in args.dtypes.split(","):
-        model = (
-            load(model_dir, torch.float32, "int8")
-            if name == "int8"
-            else load(model_dir, getattr(torch, name), "none")
-        )
+        dtype, quantization = VARIANTS[name]
+        model = load(model_dir, dtype, quantization)
         continuations = greedy(model, prompts, args.tokens)
         same = sum(c == r for c, r in zip(continuations, reference, strict=True))
         prefix = [
@@ -159,7 +169,11 @@ def main() -> None:
             p, q = expected.log_softmax(-1), actual.log_softmax(-1)
             kl += float((p.exp() * (p - q)).sum())
             positions += len(ref)
-        label = "int8 weights (float32 activations)" if name == "int8" else name
+        label = (
+            f"int8 weights ({str(dtype).removeprefix('torch.')} activations)"
+            if quantization == "int8"
+            else name
+        )
         print(
             f"| {label} | {same}/{len(prompts)} | {sum(prefix) / len(prefix):.1f} of {args.tokens} "
             f"| {agree / positions:.2%} | {kl / positions:.4f} |"
