@@ -2,15 +2,15 @@
 
     .venv/bin/python scripts/soak.py --minutes 30 [--concurrency 6] [--kill-every 180] [--json soak.json]
 
-It starts `pagedserve up` itself (two workers, the default model, a 256 MiB KV pool) in a new private
-folder, with a fresh shared secret so that it can ask the daemon and the workers for their state. Client
-threads send the public API a mix of requests: greedy and sampled, with stop strings and stop tokens,
-priorities, logprobs, cancelled, past their deadline, and bad inputs. Each kind has the final gRPC statuses
-it may end with; any other, UNAVAILABLE included (with failover no client sees a worker die), is an error.
-Every --kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn; `up` restarts it. Just
-before, two greedy and two seeded probe calls start, and the kill waits until each is streaming. After the
-traffic, every greedy or seeded call (probes, and the greedy, sampled and stops kinds) that a kill came
-during, as it came during every call that moved, is rerun on the quiet stack: it must give the same tokens.
+It starts `pagedserve up` itself (two workers, the default model in float32, a 256 MiB KV pool) in a new
+private folder, with a fresh shared secret so that it can ask the daemon and the workers for their state.
+Client threads send the public API a mix of requests: greedy and sampled, with stop strings and stop tokens,
+priorities, logprobs, cancelled, past their deadline, and bad inputs. Each kind has the final gRPC statuses it
+may end with; any other, UNAVAILABLE included (with failover no client sees a worker die), is an error. Every
+--kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn; `up` restarts it. Just before,
+two greedy and two seeded probe calls start, and the kill waits until each is streaming. After the traffic,
+every greedy or seeded call (probes, and the greedy, sampled and stops kinds) that a kill came during, as it
+came during every call that moved, is rerun on the quiet stack: it must give the same tokens.
 
 Every --sample-every seconds it records the resident memory (VmRSS) of each process of the stack; a
 restarted worker starts a new series. A series that lasted --judge-fraction of the run must have stopped
@@ -134,8 +134,12 @@ class Stack(NamedTuple):
 
 def start_stack(secret: str, concurrency: int) -> Stack:
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
+    # float32, whatever this CPU would pick: a call a kill came during resumes by recomputing its tokens as a
+    # prefill, which gives the uninterrupted decode's tokens exactly only in float32 (in bfloat16 the two sum
+    # in different orders and round apart); and the "over the pool" requests are sized for float32 pages.
     command = [sys.executable, "-m", "services.cli", "up", "--workers", "2", "--port", "0", "--kv-memory",
-               "256MiB", "--max-waiting", str(8 * concurrency), "--run-dir", str(folder / "run")]  # fmt: skip
+               "256MiB", "--dtype", "float32", "--max-waiting", str(8 * concurrency),
+               "--run-dir", str(folder / "run")]  # fmt: skip
     with open(folder / "up.log", "wb") as log:
         # Ctrl-C reaches only this script, which stops the stack in order; if this script dies, `up` gets
         # SIGTERM (die_with_parent) and stops the stack all the same.
