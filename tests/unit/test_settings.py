@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Literal
 
 import pytest
@@ -119,18 +120,33 @@ def test_every_child_flag_but_the_managed_ones_is_a_flag_of_up() -> None:
 
 def test_up_passes_each_given_flag_to_the_children_that_have_it() -> None:
     args = up_parser().parse_args(
-        ["--workers", "2", "--page-size", "8", "--kernels", "torch", "--no-prefix-caching", "--device", "cpu",
-         "--max-running", "3", "--max-memory", "2GiB", "--model", "/m", "--log-level", "DEBUG"]
+        ["--workers", "2", "--page-size", "8", "--threads", "1", "--kernels", "torch", "--no-prefix-caching",
+         "--device", "cpu", "--max-running", "3", "--max-memory", "2GiB", "--model", "/m",
+         "--log-level", "DEBUG"]
     )  # fmt: skip
     plan = up.configure(args)
     assert plan.stack.workers == 2
     assert plan.flags["worker"] == [
-        "--model", "/m", "--device", "cpu", "--page-size", "8", "--kernels", "torch", "--no-prefix-caching",
+        "--model", "/m", "--device", "cpu", "--page-size", "8", "--threads", "1", "--kernels", "torch",
+        "--no-prefix-caching",
         "--log-level", "DEBUG",
     ]  # fmt: skip
     assert plan.flags["daemon"] == ["--device", "cpu", "--max-memory", "2GiB", "--log-level", "DEBUG"]
     assert plan.flags["frontend"] == ["--model", "/m", "--max-running", "3", "--log-level", "DEBUG"]
     assert up.configure(up_parser().parse_args([])).flags == {"worker": [], "daemon": [], "frontend": []}
+
+
+def test_up_shares_the_cores_out_among_cpu_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert up.configure(up_parser().parse_args(["--workers", "3"])).flags["worker"] == ["--threads", "2"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert up.configure(up_parser().parse_args(["--workers", "2"])).flags["worker"] == ["--threads", "1"]
+    for kept in (
+        ["--workers", "1"],
+        ["--workers", "2", "--threads", "4"],
+        ["--workers", "2", "--device", "cuda"],
+    ):
+        assert up.configure(up_parser().parse_args(kept)).threads_each is None, kept
 
 
 def test_up_checks_its_childrens_settings_before_starting_any() -> None:
