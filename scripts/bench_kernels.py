@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import cuda_ops  # noqa: E402
-from kernels.backend import AttentionMetadata, LayerAttention  # noqa: E402
-from kernels.cupy_backend import CupyBackend  # noqa: E402
-from kernels.tuning import Tuning  # noqa: E402
+from pagedserve.kernels import cuda_ops  # noqa: E402
+from pagedserve.kernels.backend import AttentionMetadata, LayerAttention  # noqa: E402
+from pagedserve.kernels.cupy_backend import CupyBackend  # noqa: E402
+from pagedserve.kernels.tuning import Tuning  # noqa: E402
 
 DTYPE = torch.bfloat16
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, PAGE = 32, 8, 128, 4096, 14336, 16

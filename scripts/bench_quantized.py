@@ -1,13 +1,19 @@
-"""int8 linear layers two ways on this CPU, at SmolLM2-135M's layer shapes, against float32.
+"""int8 linear layers on this CPU, at SmolLM2-135M's layer shapes, against float32 and bfloat16.
 
     python scripts/bench_quantized.py [--rows 1,4,16,64,256,1024]
 
-- weight-only: int8 weights with a scale a row, activations in float32 or bfloat16: what `--quantization
-  int8` runs (kernels/cpu_backend.py: skinny_linear, which widens the weight in registers, to bfloat16 for
-  vdpbf16ps where this CPU runs it, up to QUANTIZED_SKINNY_ROWS rows; the weight dequantized for MKL above);
-- W8A8: activations quantized too, per token with a dynamic scale, and an int8 GEMM with int32 sums
-  (torch._int_mm, through oneDNN where the CPU has VNNI or AMX-INT8), rescaled by both scales;
-- float32 and bfloat16 weights through the same backend (skinny_linear up to 16 rows, MKL or oneDNN above).
+- `int8, bfloat16 x`: what `--quantization int8` runs on a bfloat16 model where this CPU runs vdpbf16ps and
+  vpdpbusd (pagedserve/kernels/cpu_backend.py): W8A8 in packed_linear.cpp, each activation row rounded to
+  int8 with its own scale and the products summed in int32 by vpdpbusd;
+- `int8, float32 x`: weight-only, the int8 weight widened to float32 in registers by skinny_linear up to
+  QUANTIZED_SKINNY_ROWS rows, and dequantized for MKL above;
+- `torch._int_mm W8A8`: the same W8A8 arithmetic through torch (oneDNN where the CPU has VNNI or AMX-INT8),
+  the activations rounded by torch ops first, for comparison;
+- float32 and bfloat16 weights through the same backend (packed_linear for bfloat16 where this CPU runs
+  vdpbf16ps; else skinny_linear up to 16 rows, MKL or oneDNN above).
+
+Each weight is taken as the worker loads it (CpuBackend.prepare_linear); the `bfloat16 [N, K]` column keeps
+the plain layout, to show what packing gains.
 
 The weights are separate for each of 30 layers (424 MB in float32), so they stream from memory as in a
 decode step. Each cell is the time of one pass over all 120 GEMMs; compare within one run.
@@ -26,9 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import QuantizedWeight  # noqa: E402
-from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
-from kernels.cpu_features import cpu_features  # noqa: E402
+from pagedserve.kernels import QuantizedWeight  # noqa: E402
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.worker.models.quantized import quantize_int8  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # QKV, O, gate-up, down: [N, K]
@@ -67,10 +73,14 @@ def main() -> None:
     columns = {
         "float32": (weights, torch.float32),
         "int8, float32 x": (quantized, torch.float32),
+        "bfloat16 [N, K]": (halves, torch.bfloat16),
         "bfloat16": (halves, torch.bfloat16),
         "int8, bfloat16 x": (quantized, torch.bfloat16),
     }
-    print(f"| rows | {' | '.join(f'{name} ms' for name in columns)} | W8A8 ms |")
+    for name, (ws, dtype) in columns.items():  # as the worker loads them, but the [N, K] column
+        if name != "bfloat16 [N, K]":
+            columns[name] = ([backend.prepare_linear(w, dtype) for w in ws], dtype)
+    print(f"| rows | {' | '.join(f'{name} ms' for name in columns)} | torch._int_mm W8A8 ms |")
     print(f"|---|{'---|' * (len(columns) + 1)}")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=generator) for k in (576, 1536)}

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig, Pret
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
-from kernels.torch_ref import TorchBackend  # noqa: E402
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels.torch_ref import TorchBackend  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402

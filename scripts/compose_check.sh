@@ -165,7 +165,7 @@ build_image() {
     # The C++ CPU kernels for the level this machine runs best only: this image runs here, and each level
     # is minutes of compiling on two cores.
     local levels
-    levels=$("$py" -c 'from kernels.cpu_backend import runnable_levels; print(runnable_levels()[0])')
+    levels=$("$py" -c 'from pagedserve.kernels.cpu_backend import runnable_levels; print(runnable_levels()[0])')
     log "docker build (VARIANT=cpu, BASE_IMAGE=$base, BUILD_IMAGE=$build_base, WHEELHOUSE=$ctx_wheels," \
         "CPU_KERNEL_LEVELS=$levels; log: $cache/build.log)"
     docker build --build-arg VARIANT=cpu --build-arg BASE_IMAGE="$base" --build-arg BUILD_IMAGE="$build_base" \

@@ -2,7 +2,8 @@
 
     python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,bfloat16,int8-bfloat16]
 
-int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations.
+int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations
+(rounded to int8 a row where the worker would: W8A8, on a CPU with AVX512-VNNI and AVX512-BF16).
 
 Each prompt is a chat message through the model's chat template. For each, the float32 model's greedy
 continuation of --tokens tokens is the reference, and the other model is measured three ways:
@@ -13,7 +14,7 @@ continuation of --tokens tokens is the reference, and the other model is measure
 - the mean KL divergence KL(float32 || other) of the next-token distributions over those positions.
 
 All run the worker's own model code on the C++ CPU kernels, with the instructions the worker would use on
-this CPU (kernels/cpu_features.py); the greedy continuations come from the engine.
+this CPU (pagedserve/kernels/cpu_features.py); the greedy continuations come from the engine.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import AttentionMetadata  # noqa: E402
-from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
-from kernels.cpu_features import cpu_features  # noqa: E402
+from pagedserve.kernels import AttentionMetadata  # noqa: E402
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import resolve_model  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import CausalLM, load_model  # noqa: E402
-from services.worker.models.quantized import Quantization  # noqa: E402
+from services.worker.models.quantized import Quantization, int8_activations  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -169,11 +170,10 @@ def main() -> None:
             p, q = expected.log_softmax(-1), actual.log_softmax(-1)
             kl += float((p.exp() * (p - q)).sum())
             positions += len(ref)
-        label = (
-            f"int8 weights ({str(dtype).removeprefix('torch.')} activations)"
-            if quantization == "int8"
-            else name
-        )
+        label = name
+        if quantization == "int8":
+            rounded = " rounded to int8 a row: W8A8" if int8_activations(model.weights) else ""
+            label = f"int8 weights ({str(dtype).removeprefix('torch.')} activations{rounded})"
         print(
             f"| {label} | {same}/{len(prompts)} | {sum(prefix) / len(prefix):.1f} of {args.tokens} "
             f"| {agree / positions:.2%} | {kl / positions:.4f} |"

@@ -5,8 +5,8 @@ backend operation timed, for each precision the worker serves here.
 
 Each sequence has a prompt of --context random tokens, prefilled first; then ten decode steps are timed, the
 whole step and each backend operation (linear, paged_attention, rms_norm, rotary, silu_and_mul, write_kv),
-with the C++ CPU kernels and the instructions the worker would use here (kernels/cpu_features.py). What the
-operations leave of the step is the engine's own work: batching, sampling and the model's Python.
+with the C++ CPU kernels and the instructions the worker would use here (pagedserve/kernels/cpu_features.py).
+What the operations leave of the step is the engine's own work: batching, sampling and the model's Python.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
-from kernels.cpu_features import cpu_features  # noqa: E402
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402

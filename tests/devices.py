@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from kernels.emulator import compiler
+from pagedserve.kernels.emulator import compiler
 
 
 @functools.cache
@@ -21,7 +21,7 @@ def missing_for_gpu_tests() -> str | None:
 
 
 def kernel_device() -> torch.device:
-    """Where the `cuda_kernels` tests run the kernels: the GPU, or the CPU through kernels/emulator.py."""
+    """Where the `cuda_kernels` tests run the kernels: the GPU, or the CPU in their emulator."""
     return torch.device("cuda" if missing_for_gpu_tests() is None else "cpu")
 
 

@@ -28,7 +28,7 @@ from tests.procs import REPO
 
 USER = "nobody"
 _VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"
-_CHECKOUT = ("pagedserve", "memory_daemon", "services", "kernels", "tests")
+_CHECKOUT = ("pagedserve", "memory_daemon", "services", "tests")
 # What tests/integration/other_user.py imports from site-packages (grpc needs typing_extensions), and
 # protobuf's compiled implementation, which the stack's own processes use.
 _SITE_PACKAGES = ("grpc", "grpc_health", "google.protobuf", "google._upb", "typing_extensions")

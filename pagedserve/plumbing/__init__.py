@@ -1,4 +1,5 @@
-"""Cross-process plumbing, the bottom layer: it imports nothing of kernels, memory_daemon or services.
+"""Cross-process plumbing, the bottom layer: it imports nothing of pagedserve.kernels, memory_daemon or
+services.
 
 - `errors`: the error types a caller can act on, each naming its gRPC status.
 - `status`: the interceptor that turns them (and anything unexpected, as INTERNAL) into statuses.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels.backend import PageSize
 from memory_daemon.shape import DType
+from pagedserve.kernels.backend import PageSize
 from pagedserve.plumbing.auth import secret_setting
 from pagedserve.plumbing.logs import log_level_setting
 from pagedserve.plumbing.metrics import MetricsSettings

@@ -7,15 +7,16 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
-from kernels import KernelBackend, TorchBackend
-from kernels.cpu_backend import CpuBackend, cpu_ops
-from kernels.cpu_features import cpu_features
+from pagedserve.kernels import KernelBackend, TorchBackend
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels.cpu_features import cpu_features
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
@@ -32,6 +33,7 @@ from services.worker.kv.local import LocalKVCache
 from services.worker.kv.remote import DaemonError, DaemonKVCache
 from services.worker.metrics import instrument
 from services.worker.models import load_model
+from services.worker.models.quantized import int8_activations
 from services.worker.models.spec import ModelSpec
 from services.worker.service import SERVICE_NAME, WorkerService, worker_info
 
@@ -51,7 +53,7 @@ class LoadedWorker:
 
 def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
     if config.kernel_backend == "cupy":
-        from kernels.cupy_backend import CupyBackend
+        from pagedserve.kernels.cupy_backend import CupyBackend
 
         return CupyBackend(device)
     if config.kernel_backend == "cpu" and (ops := cpu_ops()) is not None:
@@ -111,7 +113,11 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         kv = attach()
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
-    weights = f"{dtype_name}, int8 linear layers" if config.quantization == "int8" else dtype_name
+    weights = dtype_name
+    if config.quantization == "int8":
+        weights += ", int8 linear layers"
+        if int8_activations(model.weights):
+            weights += " times activations rounded to int8 a row"
     log.info(
         "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages %s",
         *(model_dir, spec.model_type, parameters, config.device, weights, kv.num_pages - 1, where),
@@ -173,36 +179,50 @@ async def serve(config: WorkerConfig) -> None:
     def on_lost() -> None:  # from the KV cache's listener thread
         loop.call_soon_threadsafe(lost.set)
 
-    loaded = await asyncio.to_thread(load_worker, config, on_lost)
+    # One thread loads the model and runs every step. OpenMP keeps a team of threads for each thread that
+    # runs torch's parallel ops, and once a process has more of them than cores libgomp stops spinning
+    # between parallel ops: with a loading thread's team beside the engine's, a decode step's threads slept
+    # and woke at each of its hundreds of ops, and steps took 1.5x as long on 2 cores.
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    try:
+        loaded = await loop.run_in_executor(compute, load_worker, config, on_lost)
+        await serve_loaded(config, loaded, compute, lost)
+    finally:
+        compute.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve_loaded(
+    config: WorkerConfig, loaded: LoadedWorker, compute: ThreadPoolExecutor, lost: asyncio.Event
+) -> None:
     engine = loaded.engine
     info = worker_info(config, loaded.model_dir, loaded.model_id, engine.spec, loaded.dtype)
-    service = WorkerService(engine, info, loop, config.stall_timeout_s)
+    service = WorkerService(engine, info, asyncio.get_running_loop(), config.stall_timeout_s)
     if config.metrics.port:
         instrument(engine)
         config.metrics.serve()
-    engine.start()
-    running = await start_server(
-        config.address,
-        lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(service, server),
-        [SERVICE_NAME],
-        interceptors=secret_interceptor(config.secret, config.address),
-    )
-    restrict_socket(running.address)
-    service.health = running.health
-    heartbeat = asyncio.create_task(service.beat(), name="heartbeat")
-    reattach = None
-    if loaded.attach is not None:
-        reattach = asyncio.create_task(keep_attached(engine, loaded.attach, lost, service.refresh))
-    stop = stop_signal()
-    log.info("worker %r serving on %s", config.name, running.address)
+    engine.start(compute)
+    heartbeat = reattach = running = None
     try:
+        running = await start_server(
+            config.address,
+            lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(service, server),
+            [SERVICE_NAME],
+            interceptors=secret_interceptor(config.secret, config.address),
+        )
+        restrict_socket(running.address)
+        service.health = running.health
+        heartbeat = asyncio.create_task(service.beat(), name="heartbeat")
+        if loaded.attach is not None:
+            reattach = asyncio.create_task(keep_attached(engine, loaded.attach, lost, service.refresh))
+        stop = stop_signal()
+        log.info("worker %r serving on %s", config.name, running.address)
         await stop.wait()
         log.info("shutting down")
         await running.stop(grace_s=5.0)
     finally:
-        heartbeat.cancel()
-        if reattach is not None:
-            reattach.cancel()
+        for task in (heartbeat, reattach):
+            if task is not None:
+                task.cancel()
         await asyncio.to_thread(engine.stop)
         engine.kv.close()
 

@@ -8,8 +8,8 @@ cache, and every page must come back. A request that kills each worker it lands 
 The lost worker's calls are started while the other one is SIGSTOPped and routed around, so that only it
 can serve them; the other calls then go to the other worker, which has fewer in flight. 16 sequences in all,
 so that the worker left holds at most 16 after the loss: up to 16 rows, a CPU decode step's GEMMs give every
-row the same bits whatever the batch's size (kernels/cpu/skinny_linear.cpp), and over 16 they take MKL,
-which rounds differently.
+row the same bits whatever the batch's size (pagedserve/kernels/cpu/skinny_linear.cpp), and over 16 they take
+MKL, which rounds differently.
 """
 
 from __future__ import annotations

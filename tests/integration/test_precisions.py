@@ -1,6 +1,7 @@
 """A whole stack on the default model in each precision the worker serves on a CPU: `--dtype bfloat16` (a
 bfloat16 pool in the daemon), `--quantization int8`, and `--dtype auto`, whose worker says what it picked and
-why. Each stack's greedy tokens are those of the same model run in this process through the engine, so
+why (and, for int8 weights against bfloat16 activations, whether the activations are rounded to int8 for
+vpdpbusd). Each stack's greedy tokens are those of the same model run in this process through the engine, so
 the flags reach the worker's model and pool; a precision that does not exist is refused by name."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_backend import CpuBackend, cpu_ops
-from kernels.cpu_features import cpu_features
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels.cpu_features import cpu_features
 from services.client import Client
 from services.common.default_model import default_model_dir
 from services.common.request import EngineRequest
@@ -53,8 +54,14 @@ def in_process(dtype: torch.dtype, quantization: Quantization, prompt: list[int]
     [
         (("--dtype", "bfloat16"), torch.bfloat16, "none", "dtype: bfloat16, as --dtype says"),
         (("--quantization", "int8"), torch.float32, "int8", "float32, int8 linear layers"),
+        (
+            ("--dtype", "bfloat16", "--quantization", "int8"),
+            torch.bfloat16,
+            "int8",
+            "bfloat16, int8 linear layers",
+        ),
     ],
-    ids=["bfloat16", "int8"],
+    ids=["bfloat16", "int8", "int8-bfloat16"],
 )
 def test_a_stack_serves_the_precision_asked_for(
     run_dir: Path, flags: tuple[str, ...], dtype: torch.dtype, quantization: Quantization, says: str
@@ -73,6 +80,9 @@ def test_a_stack_serves_the_precision_asked_for(
     finally:
         assert stack.stop() == 0, stack.log()
     assert says in stack.log()
+    found = cpu_features()
+    int8_x = dtype == torch.bfloat16 and found.avx512_bf16.usable and found.avx512_vnni.usable
+    assert ("times activations rounded to int8 a row" in stack.log()) == (quantization == "int8" and int8_x)
     assert served == in_process(dtype, quantization, prompt)
 
 

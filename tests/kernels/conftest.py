@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.cupy_backend import CupyBackend
 from tests.kernels.cases import DEVICE
 
 

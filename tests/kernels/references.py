@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import LayerAttention, TorchBackend
+from pagedserve.kernels import LayerAttention, TorchBackend
 from tests.kernels.steps import Chunk, dtype_name
 
 PAGE_SIZES = (8, 16, 32)

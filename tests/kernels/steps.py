@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig
 
-from kernels.backend import AttentionMetadata
+from pagedserve.kernels.backend import AttentionMetadata
 from services.worker.models.spec import ModelSpec
 
 

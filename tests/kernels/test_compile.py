@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from kernels.cuda_experts import CUDA_TILES
-from kernels.cuda_ops import HEAD_DIMS, PAGE_SIZES
-from kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, TENSOR_CORE, compile_cubin, compile_ptx
-from kernels.resources import read_resources
-from kernels.tuning import TUNINGS
+from pagedserve.kernels.cuda_experts import CUDA_TILES
+from pagedserve.kernels.cuda_ops import HEAD_DIMS, PAGE_SIZES
+from pagedserve.kernels.nvrtc import DTYPE_MACROS, KERNEL_FILES, TENSOR_CORE, compile_cubin, compile_ptx
+from pagedserve.kernels.resources import read_resources
+from pagedserve.kernels.tuning import TUNINGS
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy and nvidia-cuda-nvrtc-cu12")
 
@@ -85,9 +85,9 @@ def test_attention_kernels_compile(arch: str, kernel: tuple[str, str], head_dim:
     ("arch", "name", "group"), list(itertools.product(ARCHS, (*ATTENTION, *TENSOR_CORE), (1, 3, 8, 16)))
 )
 def test_attention_kernels_do_not_spill(arch: str, name: str, group: int) -> None:
-    """Read from the cubin itself (kernels/resources.py), not from ptxas's log, which NVRTC 13 leaves empty
-    when it serves a compile from its cache: a spill needs a stack frame, so frames of 0 bytes prove none.
-    (Every function: the kernels, and ptxas's internal subroutines they call.)"""
+    """Read from the cubin itself (pagedserve/kernels/resources.py), not from ptxas's log, which NVRTC 13
+    leaves empty when it serves a compile from its cache: a spill needs a stack frame, so frames of 0 bytes
+    prove none. (Every function: the kernels, and ptxas's internal subroutines they call.)"""
     macros = {"DTYPE_BF16": 1, "HEAD_DIM": 128, "PAGE_SIZE": 16, "GROUP": group, "NUM_WARPS": 4}
     cubin, _ = compile_cubin(name, arch, {**macros, **(DECODE_MMA if name == "paged_decode_mma" else {})})
     functions = read_resources(cubin)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.backend import ExpertWeights, LayerAttention, Routing
-from kernels.cpu_backend import CpuBackend, cpu_ops
-from kernels.torch_ref import TorchBackend, moe_reference
+from pagedserve.kernels.backend import ExpertWeights, LayerAttention, Routing
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels.cpu_features import cpu_features
+from pagedserve.kernels.torch_ref import TorchBackend, moe_reference
 from tests.kernels.references import (
     KV_HEADS,
     assert_close,
@@ -35,6 +36,11 @@ from tests.kernels.steps import Chunk, generator, make_metadata
 # Where a compiler is present the build must succeed: a silent fallback would hide a broken kernel here.
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")
 OPS = cpu_ops() if shutil.which("c++") else None
+# The backend without bfloat16 arithmetic, and, where this CPU was seen to run it, the one that scores
+# bfloat16 keys with vdpbf16ps.
+BACKENDS = [] if OPS is None else [CpuBackend(OPS)]
+if OPS is not None and cpu_features().avx512_bf16.usable:
+    BACKENDS.append(CpuBackend(OPS, cpu_features()))
 CASES = list(itertools.product((8, 16, 32), (16, 64, 128), (1, 3, 4)))
 
 
@@ -84,9 +90,10 @@ def run_attention(
     group: int,
     dtype: torch.dtype,
     layer: LayerAttention | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decodes of these lengths, then prefill chunks of (cached, new) tokens, through the C++ backend on a
-    pool where every slot it must not read is NaN, and through the reference in float32 on a clean one."""
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Decodes of these lengths, then prefill chunks of (cached, new) tokens, through the C++ backends on a
+    pool where every slot they must not read is NaN (their outputs, one a backend), and through the
+    reference in float32 on a clean one."""
     gen = generator(seed)
     lengths = [*decodes, *(cached + new for cached, new in chunks)]
     tables = random_tables(gen, lengths, page_size)
@@ -102,10 +109,9 @@ def run_attention(
             poison_slots(poisoned, step.pages, range(max(0, step.start + 1 - layer.window)))
     q, _, _ = fused_qkv(gen, sum(step.count for step in steps), group * KV_HEADS, head_dim, dtype)
     meta = make_metadata(steps[: len(decodes)], steps[len(decodes) :], page_size)
-    assert OPS is not None
-    actual = CpuBackend(OPS).paged_attention(q, poisoned, meta, layer)
-    assert actual.dtype == dtype
-    return actual, TorchBackend().paged_attention(q.float(), kv_layer.float(), meta, layer)
+    actuals = [backend.paged_attention(q, poisoned, meta, layer) for backend in BACKENDS]
+    assert actuals and all(actual.dtype == dtype for actual in actuals)
+    return actuals, TorchBackend().paged_attention(q.float(), kv_layer.float(), meta, layer)
 
 
 PREFILL_CASES = list(
@@ -124,10 +130,11 @@ def test_prefill_chunks_beside_decodes_match_the_reference(
     """Chunks with and without a cached prefix, shorter and longer than a task's 16 tokens and a key tile,
     one of a single token, beside decodes of very different lengths."""
     chunks = [(0, 37), (23, 50), (70, 9), (0, 1), (5, 1)]
-    actual, expected = run_attention(
+    actuals, expected = run_attention(
         page_size + head_dim + group, [5, 40], chunks, page_size, head_dim, group, dtype
     )
-    assert_close(actual, expected, dtype)
+    for actual in actuals:
+        assert_close(actual, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -141,8 +148,25 @@ def test_prefill_windows_softcaps_and_sinks_read_nothing_before_the_window(
     window = 2 * page_size + 3
     layer = varied_layers(generator(page_size), 64**-0.5, 3 * KV_HEADS, window)[kind]
     chunks = [(0, window + 20), (4 * page_size, 40), (9 * page_size + 1, 3)]
-    actual, expected = run_attention(31 + page_size, [window + 5], chunks, page_size, 64, 3, dtype, layer)
-    assert_close(actual, expected, dtype)
+    actuals, expected = run_attention(31 + page_size, [window + 5], chunks, page_size, 64, 3, dtype, layer)
+    for actual in actuals:
+        assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("kind", ["plain", "window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize(("page_size", "head_dim", "group"), [(8, 64, 3), (16, 128, 4), (32, 64, 1)])
+def test_bfloat16_decodes_match_the_reference(page_size: int, head_dim: int, group: int, kind: str) -> None:
+    """Decodes alone in bfloat16, whose keys the CPU scores with vdpbf16ps where it runs it, 16 keys at a
+    time: runs of keys that end mid-page and mid-16, one key, and many pages."""
+    window = 2 * page_size + 3
+    layer = varied_layers(generator(page_size), head_dim**-0.5, group * KV_HEADS, window).get(
+        kind, LayerAttention(head_dim**-0.5)
+    )
+    decodes = [1, 15, 17, page_size + 5, 7 * page_size - 3, window + 40]
+    seed = page_size + len(kind)
+    actuals, expected = run_attention(seed, decodes, [], page_size, head_dim, group, torch.bfloat16, layer)
+    for actual in actuals:
+        assert_close(actual, expected, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
@@ -218,7 +242,14 @@ def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:
     q = torch.zeros(1, 1, 16)
     assert OPS is not None
     with pytest.raises(RuntimeError, match="outside the pool"):
-        OPS.paged_decode(q, kv_layer, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None)
+        OPS.paged_decode(q, kv_layer, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None, False)
+    if cpu_features().avx512_bf16.usable:  # the keys scored with vdpbf16ps: bfloat16, a head of 32
+        kv, query = (
+            torch.zeros(2, 4, 8, 1, 32, dtype=torch.bfloat16),
+            torch.zeros(1, 1, 32, dtype=torch.bfloat16),
+        )
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            OPS.paged_decode(query, kv, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None, True)
     starts, lens = torch.tensor([0, 1]), torch.tensor([3])
     with pytest.raises(RuntimeError, match="outside the pool"):
         OPS.paged_prefill(q, kv_layer, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None)
@@ -252,12 +283,13 @@ def test_one_sequence_alone_splits_its_heads_across_threads() -> None:
 def test_with_no_compiler_the_worker_runs_the_torch_reference(tmp_path: Path) -> None:
     """A fresh cache and a compiler that is not there: the build fails, and the backend is torch's."""
     script = (
-        "import torch; from kernels.cpu_backend import cpu_ops; "
+        "import torch; from pagedserve.kernels.cpu_backend import cpu_ops; "
         "from services.worker.config import WorkerConfig; from services.worker.server import kernel_backend; "
         "assert cpu_ops() is None; "
         "print(kernel_backend(WorkerConfig(device='cpu'), torch.device('cpu')).name)"
     )
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-compiler")}
+    env.pop("PAGEDSERVE_CPU_KERNELS", None)  # it would name a folder with a finished build
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
     )

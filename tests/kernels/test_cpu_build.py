@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,11 +16,11 @@ from typing import Any
 import pytest
 from torch.utils import cpp_extension
 
-from kernels import cpu_backend
-from kernels.cpu_backend import cpu_ops
+from pagedserve.kernels import cpu_backend
+from pagedserve.kernels.cpu_backend import cpu_ops
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")
-LOGGER = "kernels.cpu_backend"
+LOGGER = "pagedserve.kernels.cpu_backend"
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +148,24 @@ def test_an_image_build_is_loaded_only_on_a_cpu_that_runs_its_level(
     monkeypatch.setattr(cpu_backend, "_cpu_flags", lambda: flags)
 
     assert cpu_backend.runnable_levels() == levels
+
+
+def test_every_source_compiles_at_the_lowest_level_an_image_ships() -> None:
+    """An image builds each of LEVELS, and a function given a wider target than the build's (vdpbf16ps, where
+    the CPU has it) must say so down to its lambdas: GCC's -march=native build here takes any such code, so
+    without this test only the image build (scripts/compose_check.sh) would find the mismatch. -O0 is enough:
+    an always_inline intrinsic inlined into code without its target fails at any level of optimisation."""
+    lowest = next(iter(cpu_backend.LEVELS))
+    targeted = [source for source in cpu_backend.SOURCES if "__attribute__((target" in source.read_text()]
+    assert targeted, "the sources no longer name targets: this test has nothing to check"
+    includes = [f"-isystem{path}" for path in [*cpp_extension.include_paths(), sysconfig.get_path("include")]]
+    flags = [*includes, "-std=c++20", *cpu_backend.cflags(lowest), "-O0"]
+    compiles = {
+        source.name: subprocess.Popen(
+            ["c++", *flags, "-c", str(source), "-o", "/dev/null"], stderr=subprocess.PIPE, text=True
+        )
+        for source in targeted
+    }
+    errors = {name: compile_.communicate()[1] for name, compile_ in compiles.items()}
+    failed = {name: errors[name] for name, compile_ in compiles.items() if compile_.returncode != 0}
+    assert not failed, failed

@@ -1,7 +1,7 @@
 """The C++ CPU ops refuse what they would misread: every wrong shape, dtype, device or stride of an argument
 raises a ValueError that names the argument, what it must be and what it was given, before any element is
-read, as the CUDA wrappers (kernels/cuda_ops.py) do. Called on the compiled module itself, past the backend's
-dispatch: nothing reaches the loops unchecked."""
+read, as the CUDA wrappers (pagedserve/kernels/cuda_ops.py) do. Called on the compiled module itself, past the
+backend's dispatch: nothing reaches the loops unchecked."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.cpu_backend import CpuBackend, cpu_ops
-from kernels.torch_ref import TorchBackend
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels.torch_ref import TorchBackend
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")
 F64, I32 = torch.float64, torch.int32
@@ -55,7 +55,6 @@ def linear_args() -> Args:
         "weight": torch.randn(3 * H, H),
         "scale": None,
         "bias": torch.randn(3 * H),
-        "dot_bf16": False,
     }
 
 
@@ -69,6 +68,7 @@ def decode_args() -> Args:
         "window": 0,
         "softcap": 0.0,
         "sinks": torch.zeros(HQ),
+        "dot_bf16": False,
     }
 
 

@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-from kernels import QuantizedWeight, Weight
-from kernels.cpu_backend import QUANTIZED_SKINNY_ROWS, CpuBackend, cpu_ops
-from kernels.cpu_features import cpu_features
-from kernels.torch_ref import TorchBackend
+from pagedserve.kernels import PackedWeight, QuantizedWeight, Weight
+from pagedserve.kernels.cpu_backend import QUANTIZED_SKINNY_ROWS, CpuBackend, cpu_ops, pack_linear
+from pagedserve.kernels.cpu_features import cpu_features
+from pagedserve.kernels.torch_ref import TorchBackend
 from services.worker.models.decoder import rotary_table
 from tests.kernels.steps import llama_spec
 
@@ -142,6 +142,20 @@ def quantized(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     return QuantizedWeight(data, scale)
 
 
+def as_multiplied(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x as the CPU backend multiplies it by weight: rounded per row to int8 (x * (127 / max |x|) to nearest
+    even, as vcvtps2dq does, times max |x| * (1 / 127)) against an int8 weight packed for vpdpbusd; as it is
+    against any other. The kernel's own float32 operations, so that the same ties round the same way."""
+    if not (isinstance(weight, PackedWeight) and weight.sums is not None):
+        return x.float()
+    wide = x.float()
+    top = wide.abs().amax(dim=1, keepdim=True)
+    some = top > 0
+    scale = torch.where(some, top * torch.tensor(1 / 127, dtype=torch.float32), 1.0)
+    inverse = torch.full_like(top, 127) / top  # a division (torch's 127 / top is 127 * reciprocal(top))
+    return torch.round(wide * torch.where(some, inverse, 1.0)) * scale
+
+
 WEIGHTS = ["float32", "bfloat16", "int8-float32", "int8-bfloat16", "float8-float32", "float8-bfloat16"]
 
 
@@ -162,12 +176,19 @@ def linear_case(
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 100), (4099, 64), (576, 1536)], ids=str)
 def test_skinny_linear(backends: list[CpuBackend], rows: int, n: int, k: int, weights: str) -> None:
     """Every block shape (rows and W rows not multiples of 4, K not a multiple of the vector width), each
-    kind of weight: the sums in float32, rounded once to x's dtype."""
+    kind of weight, as given and as each backend prepares it at load: the sums in float32, rounded once to
+    x's dtype."""
     gen = torch.Generator().manual_seed(rows * n + k)
     x, weight, bias = linear_case(gen, rows, n, k, weights)
 
     for backend, b in itertools.product(backends, (None, bias)):
+        prepared = backend.prepare_linear(weight, x.dtype)
+        if as_multiplied(x, prepared) is not x.float():  # int8 x int8: against its reference, below
+            continue
         out = backend.linear(x, weight, b)
+        torch.testing.assert_close(
+            backend.linear(x, prepared, b).float(), out.float(), rtol=2**-7, atol=2**-7 * k**0.5
+        )
         assert out.shape == (rows, n) and out.dtype == x.dtype and not out.isnan().any()
         wide = weight if isinstance(weight, QuantizedWeight) else weight.float()
         expected = REFERENCE.linear(x.float(), wide, None if b is None else b.float())
@@ -184,15 +205,80 @@ def test_quantized_weights_past_the_few_rows(backends: list[CpuBackend], rows: i
     for int8 against bfloat16 rows through vdpbf16ps, which takes any number)."""
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = linear_case(gen, rows, 300, 200, weights)
-    expected = REFERENCE.linear(x.float(), weight, bias.float()).to(x.dtype)
     close = (
         {"rtol": 1e-4, "atol": 1e-4}
         if x.dtype == torch.float32
         else {"rtol": 2**-7, "atol": 2**-7 * 200**0.5}
     )
     for backend in backends:
-        out = backend.linear(x, weight, bias)
-        torch.testing.assert_close(out.float(), expected.float(), **close)
+        for prepared in (weight, backend.prepare_linear(weight, x.dtype)):
+            out = backend.linear(x, prepared, bias)
+            expected = REFERENCE.linear(as_multiplied(x, prepared), weight, bias.float()).to(x.dtype)
+            torch.testing.assert_close(out.float(), expected.float(), **close)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16"])
+@pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 47, 48, 49, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 4), (4099, 64), (7, 1536)], ids=str)
+def test_packed_linear(backends: list[CpuBackend], rows: int, n: int, k: int, weights: str) -> None:
+    """A weight packed for packed_linear.cpp, where this CPU runs its instructions (vdpbf16ps, and vpdpbusd
+    for int8): rows in tiles of 12 and stretches of 48 and not, outputs in groups of 32 and not, against the
+    float32 product of x as it is multiplied; unpacked, the weight is the one it was. At load, bfloat16
+    weights are packed only where AMX does not run oneDNN's GEMM, and int8 ones where vpdpbusd runs."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, weight, bias = linear_case(gen, rows, n, k, weights)
+    found = cpu_features()
+    int8 = isinstance(weight, QuantizedWeight)
+    runs = found.avx512_bf16.usable and (found.avx512_vnni.usable or not int8)
+    packed_at_load = runs and (int8 or not found.amx_bf16.usable)
+    for backend in backends:
+        prepared = backend.prepare_linear(weight, torch.bfloat16)
+        assert isinstance(prepared, PackedWeight) == (packed_at_load and backend is backends[-1])
+        assert backend.prepare_linear(weight, torch.float32) is weight  # float32 rows take the [N, K] paths
+        if not runs or backend is not backends[-1]:
+            continue
+        packed = pack_linear(weight)  # the kernel, also where AMX keeps bfloat16 weights [N, K] at load
+        assert (packed.sums is not None) == int8
+        assert packed.shape == (n, k)
+        unpacked = packed.unpacked()
+        assert torch.equal(
+            unpacked.data if isinstance(unpacked, QuantizedWeight) else unpacked,
+            weight.data if isinstance(weight, QuantizedWeight) else weight,
+        )
+        wide = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.float()
+        for b in (None, bias):
+            out = backend.linear(x, packed, b)
+            assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+            expected = REFERENCE.linear(as_multiplied(x, packed), wide, None if b is None else b.float())
+            torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7 * k**0.5)
+
+
+def test_a_weight_of_odd_width_is_not_packed(backends: list[CpuBackend]) -> None:
+    """vdpbf16ps takes pairs of k: a weight with an odd K stays [N, K] (for skinny_linear or oneDNN)."""
+    _, weight, _ = linear_case(torch.Generator().manual_seed(3), 5, 40, 65, "bfloat16")
+    for backend in backends:
+        assert backend.prepare_linear(weight, torch.bfloat16) is weight
+
+
+def test_packed_linear_refuses_what_it_cannot_multiply(backend: CpuBackend) -> None:
+    """Each operand the kernel reads is checked against the packing's shape before it runs: an int8 weight
+    without its sums, sums with a bfloat16 weight, a K the packing's step does not divide, a packing of the
+    wrong rank, a K past vpdpbusd's int32 range."""
+    ops = cpu_ops()
+    x = torch.randn(3, 64).bfloat16()
+    fours = pack_linear(quantized(torch.randn(40, 64), "int8"))
+    pairs = pack_linear(torch.randn(40, 64).bfloat16())
+    with pytest.raises(ValueError, match="an int8 weight needs its scale and its sums"):
+        ops.packed_linear(x, fours.data, fours.scale, None, None, 40)
+    with pytest.raises(ValueError, match="a scale and sums go with an int8 weight only"):
+        ops.packed_linear(x, pairs.data, None, fours.sums, None, 40)
+    with pytest.raises(ValueError, match="int8 weight needs N > 0 and K a multiple of 4, not N 40 and K 66"):
+        ops.packed_linear(torch.randn(3, 66).bfloat16(), fours.data, fours.scale, fours.sums, None, 40)
+    with pytest.raises(ValueError, match="packed must be"):
+        ops.packed_linear(x, fours.data[0], fours.scale, fours.sums, None, 40)
+    wide = pack_linear(QuantizedWeight(torch.ones(32, 1 << 16, dtype=torch.int8), torch.ones(32)))
+    with pytest.raises(ValueError, match="K below 65536"):
+        ops.packed_linear(torch.ones(1, 1 << 16).bfloat16(), wide.data, wide.scale, wide.sums, None, 32)
 
 
 def test_every_float8_value_widens_exactly(backend: CpuBackend) -> None:

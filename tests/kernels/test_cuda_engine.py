@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.cupy_backend import CupyBackend
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.engine import EngineConfig, EngineCore

@@ -1,8 +1,8 @@
-"""The CUDA mixture of experts (kernels/cuda_experts.py, csrc/moe.cu) against moe_reference on the same
-device, the grouping of pairs by expert it launches over, and its refusal of bad arguments.
+"""The CUDA mixture of experts (pagedserve/kernels/cuda_experts.py, csrc/moe.cu) against moe_reference on the
+same device, the grouping of pairs by expert it launches over, and its refusal of bad arguments.
 
-On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) on the CPU, with its small
-tiles (cuda_experts.EMULATED_TILES); one test runs each device's tiles on the other's.
+On a CUDA device with CuPy, else in the kernels' emulator (pagedserve/kernels/emulator.py) on the CPU, with
+its small tiles (cuda_experts.EMULATED_TILES); one test runs each device's tiles on the other's.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import cuda_experts
-from kernels.backend import ExpertWeights, Routing
-from kernels.cuda_experts import CUDA_TILES, EMULATED_TILES, Tiles, align
-from kernels.cupy_backend import CupyBackend
-from kernels.torch_ref import moe_reference
-from kernels.tuning import Tuning
+from pagedserve.kernels import cuda_experts
+from pagedserve.kernels.backend import ExpertWeights, Routing
+from pagedserve.kernels.cuda_experts import CUDA_TILES, EMULATED_TILES, Tiles, align
+from pagedserve.kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.torch_ref import moe_reference
+from pagedserve.kernels.tuning import Tuning
 from tests.kernels.cases import DEVICE, DTYPES, PAD, assert_close, dtype_name, generator, padded_rows, randn
 
 pytestmark = pytest.mark.cuda_kernels  # on a GPU, else in the emulator on the CPU: tests/devices.py

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.cupy_backend import CupyBackend
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.batch import build_batch

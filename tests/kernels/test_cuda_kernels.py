@@ -6,7 +6,7 @@ finite everywhere; the kernels read one where every slot they must not read hold
 slot this step writes before reading it. Comparisons are in float32, against a tolerance of the expected
 values' scale.
 
-On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) on the CPU. The
+On a CUDA device with CuPy, else in the kernels' emulator (pagedserve/kernels/emulator.py) on the CPU. The
 `backend` fixture is in tests/kernels/conftest.py.
 """
 
@@ -17,9 +17,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import LayerAttention, cuda_ops
-from kernels.cupy_backend import CupyBackend
-from kernels.launch import EMULATED_RESIDENT_BLOCKS
+from pagedserve.kernels import LayerAttention, cuda_ops
+from pagedserve.kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.launch import EMULATED_RESIDENT_BLOCKS
 from tests.kernels.cases import (
     ATTENTION_CASES,
     ATTENTION_IDS,
@@ -106,8 +106,8 @@ def test_paged_decode_split_k(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_paged_decode_of_a_batch_that_fills_the_device(backend: CupyBackend, dtype: torch.dtype) -> None:
-    """Enough sequences to fill the emulator's device alone (kernels.launch.EMULATED_RESIDENT_BLOCKS): long
-    contexts in one partition each (on a GPU the same batch is split, and must agree all the same)."""
+    """Enough sequences to fill the emulator's device alone (launch.EMULATED_RESIDENT_BLOCKS in the kernels):
+    long contexts in one partition each (on a GPU the same batch is split, and must agree all the same)."""
     part = backend.tuning.min_partition
     seqs = EMULATED_RESIDENT_BLOCKS  # x KV_HEADS blocks: the waves the split aims at, and more
     lengths = [3 * part + 5 * i for i in range(seqs)]

@@ -4,7 +4,7 @@ the typed wrappers' refusal of bad arguments before any launch.
 Inputs that are views of wider rows have NaN in the columns around them (tests/kernels/cases.py), which a
 kernel that ignores a stride would read.
 
-On a CUDA device with CuPy, else in the kernels' emulator (kernels/emulator.py) on the CPU. The
+On a CUDA device with CuPy, else in the kernels' emulator (pagedserve/kernels/emulator.py) on the CPU. The
 `backend` fixture is in tests/kernels/conftest.py.
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import AttentionMetadata, LayerAttention, cuda_ops
-from kernels.cupy_backend import CupyBackend
-from kernels.tuning import Tuning
+from pagedserve.kernels import AttentionMetadata, LayerAttention, cuda_ops
+from pagedserve.kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.tuning import Tuning
 from services.worker.models.decoder import rotary_table
 from tests.kernels.cases import (
     DEVICE,

@@ -1,5 +1,6 @@
-"""kernels/resources.py against two readings of the same cubins that share none of its code: the report
-ptxas writes while it builds them (`-v`), and `cuobjdump --dump-resource-usage` where a CUDA toolkit has it.
+"""pagedserve/kernels/resources.py against two readings of the same cubins that share none of its code: the
+report ptxas writes while it builds them (`-v`), and `cuobjdump --dump-resource-usage` where a CUDA toolkit
+has it.
 
 The cubins come from NVRTC (cupy's bindings; pip's NVRTC 12 writes ELF ABI 7) and, where it is installed,
 nvcc (CUDA 13 writes ABI 8, the format of NVRTC 13 on a GPU machine). Each compiler builds the attention
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.nvrtc import ATTENTION, source
-from kernels.resources import CubinError, Format, Record, parse_records, read_resources
+from pagedserve.kernels.nvrtc import ATTENTION, source
+from pagedserve.kernels.resources import CubinError, Format, Record, parse_records, read_resources
 
 PROBE = r"""
 extern "C" __global__ void spills(float* a, int n) {  // 48 live values under a cap of 32 registers

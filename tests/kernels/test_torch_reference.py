@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels.backend import LayerAttention
-from kernels.torch_ref import GROUP_COST_SLOTS, group_by_length
+from pagedserve.kernels.backend import LayerAttention
+from pagedserve.kernels.torch_ref import GROUP_COST_SLOTS, group_by_length
 from tests.kernels.references import (
     ATTENTION_CASES,
     ATTENTION_IDS,

@@ -34,8 +34,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from kernels import KernelBackend, TorchBackend
-from kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels import KernelBackend, TorchBackend
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels.cpu_features import cpu_features
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
@@ -124,12 +125,15 @@ class Family:
 
 
 def backend(name: str) -> KernelBackend:
+    """torch: the reference; cpu: the C++ kernels without bfloat16 arithmetic; cpu-worker: the C++
+    kernels with the instructions the worker would use on this CPU (vdpbf16ps where it ran:
+    pagedserve/kernels/cpu_features.py)."""
     if name == "torch":
         return TorchBackend()
     ops = cpu_ops()
     if ops is None:
         pytest.skip("the C++ CPU kernels could not be built here")
-    return CpuBackend(ops)
+    return CpuBackend(ops, cpu_features() if name == "cpu-worker" else None)
 
 
 @pytest.fixture(

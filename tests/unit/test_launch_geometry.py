@@ -1,6 +1,6 @@
-"""The grids' geometry (kernels/tuning.py): the decode grid's split of each context (enough blocks to fill
-the device twice over, no split for a batch that fills it alone, no partition shorter than the minimum)
-and the tensor-core prefill's tiles; and the CUDA graphs' batch sizes."""
+"""The grids' geometry (pagedserve/kernels/tuning.py): the decode grid's split of each context (enough blocks
+to fill the device twice over, no split for a batch that fills it alone, no partition shorter than the
+minimum) and the tensor-core prefill's tiles; and the CUDA graphs' batch sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from kernels.tuning import (
+from pagedserve.kernels.tuning import (
     DECODE_WAVES,
     PARTITION_QUANTUM,
     TUNINGS,

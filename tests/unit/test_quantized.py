@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from kernels import QuantizedWeight
+from pagedserve.kernels import QuantizedWeight
 from services.common.default_model import default_model_dir
 from services.worker.core.engine import EngineConfig, EngineCore
 from services.worker.kv.local import LocalKVCache

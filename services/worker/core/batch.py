@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import AttentionMetadata
+from pagedserve.kernels.backend import AttentionMetadata
 from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import Sequence
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernels.backend import AttentionMetadata
+from pagedserve.kernels.backend import AttentionMetadata
 from services.worker.core.batch import ForwardBatch
 from services.worker.models import CausalLM
 

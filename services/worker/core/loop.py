@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from pagedserve.plumbing.errors import Internal, Unavailable
@@ -66,6 +66,7 @@ class Engine:
         self._commands: list[tuple[Command, Future[None]]] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._running: Future[None] | None = None  # the loop, on an executor's thread
         self._step_began: float | None = None  # while a step runs, when it began (time.monotonic)
         self._step_seconds: deque[float] = deque(maxlen=100)  # the last steps' durations
 
@@ -137,7 +138,12 @@ class Engine:
             return None
         return f"the engine has been in one step for {running:.0f}s"
 
-    def start(self) -> None:
+    def start(self, executor: Executor | None = None) -> None:
+        """Run the engine's loop on a thread of its own, or on executor's (the worker's compute thread, which
+        loaded the model: services/worker/server.py says why)."""
+        if executor is not None:
+            self._running = executor.submit(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -148,6 +154,8 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._running is not None:
+            self._running.result()
 
     # The engine thread ------------------------------------------------------------------------------
 

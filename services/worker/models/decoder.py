@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.backend import AttentionMetadata, KernelBackend, LayerAttention, Routing
+from pagedserve.kernels.backend import AttentionMetadata, KernelBackend, LayerAttention, Routing
 from services.worker.models.quantized import check_checkpoint
 from services.worker.models.spec import ModelSpec, partial_rotary_factor, rope_parameters, rotary_dim
 from services.worker.models.weights import LayerWeights, Weights

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import KernelBackend, LayerAttention
+from pagedserve.kernels.backend import KernelBackend, LayerAttention
 from services.worker.models.decoder import CausalLM, Layer, Step
 from services.worker.models.spec import ModelSpec
 from services.worker.models.weights import Weights

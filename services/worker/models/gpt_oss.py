@@ -4,7 +4,7 @@ with biases throughout and the experts' clamped SwiGLU; attention with a learned
 
 from __future__ import annotations
 
-from kernels.backend import Routing
+from pagedserve.kernels.backend import Routing
 from services.worker.models.decoder import CausalLM
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels.backend import LayerAttention
+from pagedserve.kernels.backend import LayerAttention
 from services.worker.models.decoder import CausalLM, Layer, Step
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kernels.backend import Routing
+from pagedserve.kernels.backend import Routing
 from services.worker.models.decoder import CausalLM
 
 

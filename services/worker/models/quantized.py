@@ -6,8 +6,11 @@ row's largest value is exact and the rest round to the nearest of 255 steps. The
 attention's QKV and output projections, the dense MLP's, and the vocabulary projection (a copy of the
 embedding's, where the two are tied: the embedding's lookup keeps the model's dtype); a mixture of experts'
 weights keep the model's dtype. The backends take the product in float32 with the scale applied to the sums
-(kernels.backend.QuantizedWeight), so activations stay in the model's dtype: weight-only quantization,
-which on a CPU without VNNI or AMX was faster here than int8 activations (scripts/bench_quantized.py).
+(pagedserve.kernels.backend.QuantizedWeight), so activations stay in the model's dtype (weight-only). The
+exception is the CPU backend's weights packed for vpdpbusd (a bfloat16 model on a CPU that runs AVX512-VNNI
+and AVX512-BF16): each activation row is rounded to int8 with a scale of its own (W8A8, dynamic per token),
+which took half the time of int8 weights widened to bfloat16 at 256 rows (scripts/bench_quantized.py) and
+costs accuracy (the README's table).
 
 A compressed-tensors checkpoint (config.json's quantization_config, quant_method "compressed-tensors")
 loads where each quantized weight is int8 or float8 (e4m3), symmetric, with a scale per output channel or one
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from kernels.backend import QuantizedWeight, Weight
+from pagedserve.kernels.backend import PackedWeight, QuantizedWeight, Weight, plain_weight
 
 if TYPE_CHECKING:
     from services.worker.models.weights import Weights
@@ -30,6 +33,13 @@ if TYPE_CHECKING:
 Quantization = Literal["none", "int8"]
 STORED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # what a checkpoint's 8-bit weights may be
 SCALE_SUFFIX = "_scale"  # compressed-tensors stores <module>.weight beside <module>.weight_scale
+
+
+def int8_activations(weights: Weights) -> bool:
+    """Whether the linear layers round their activations to int8 a row (W8A8): int8 weights packed for
+    vpdpbusd, with each row's sums."""
+    qkv = weights.layers[0].qkv
+    return isinstance(qkv, PackedWeight) and qkv.sums is not None
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
@@ -46,15 +56,10 @@ def quantize_linears(weights: Weights) -> None:
     quantized stays as it is."""
 
     def quantized(weight: Weight) -> Weight:
-        return weight if isinstance(weight, QuantizedWeight) else quantize_int8(weight)
+        plain = plain_weight(weight)
+        return plain if isinstance(plain, QuantizedWeight) else quantize_int8(plain)
 
-    for layer in weights.layers:
-        layer.qkv = quantized(layer.qkv)
-        layer.o = quantized(layer.o)
-        if layer.gate_up is not None and layer.down is not None:
-            layer.gate_up = quantized(layer.gate_up)
-            layer.down = quantized(layer.down)
-    weights.lm_head = quantized(weights.lm_head)
+    weights.map_linears(quantized)
 
 
 def stored(weight: torch.Tensor, scale: torch.Tensor, device: torch.device) -> QuantizedWeight:
@@ -81,6 +86,7 @@ def concat(parts: list[Weight]) -> Weight:
 
 def with_rows(weight: Weight, rows: slice, source: torch.Tensor) -> Weight:
     """A copy of weight whose rows[rows] are its rows[source] (a permutation of some of its rows)."""
+    weight = plain_weight(weight)
     if isinstance(weight, QuantizedWeight):
         source = source.to(weight.data.device)
         data, scale = weight.data.clone(), weight.scale.clone()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from kernels.backend import KernelBackend, Routing
+from pagedserve.kernels.backend import KernelBackend, Routing
 from services.worker.models.decoder import CausalLM
 from services.worker.models.spec import ModelSpec
 from services.worker.models.weights import Weights

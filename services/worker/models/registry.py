@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from kernels.backend import KernelBackend
+from pagedserve.kernels.backend import KernelBackend
 from services.worker.models.decoder import CausalLM
 from services.worker.models.gemma import Gemma2, Gemma3
 from services.worker.models.gpt_oss import GptOss
@@ -72,9 +72,11 @@ def load_model(
     quantization: Quantization = "none",
 ) -> CausalLM:
     """The model in model_dir (config.json and safetensors), on device, through backend; with int8, its
-    linear layers' weights quantized (those the checkpoint stores quantized stay as they are)."""
+    linear layers' weights quantized (those the checkpoint stores quantized stay as they are); each linear
+    layer's weight in the layout backend reads best."""
     spec = load_spec(model_dir)
     weights = load_weights(model_dir, spec, dtype, device)
     if quantization == "int8":
         quantize_linears(weights)
+    weights.map_linears(lambda weight: backend.prepare_linear(weight, dtype))
     return family_of(spec.hf_config)(spec, weights, backend)

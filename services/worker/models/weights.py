@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.backend import ExpertWeights, Weight
+from pagedserve.kernels.backend import ExpertWeights, Weight
 from services.worker.models.quantized import SCALE_SUFFIX, STORED_DTYPES, concat, stored, with_rows
 from services.worker.models.spec import ModelSpec
 
@@ -51,7 +51,18 @@ class Weights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: Weight  # [V, H]; the embedding itself when tied (unless quantized)
+    lm_head: Weight  # [V, H]; the embedding itself when tied (unless quantized or packed)
+
+    def map_linears(self, change: Callable[[Weight], Weight]) -> None:
+        """Every linear layer's weight (the attention's, a dense MLP's, the vocabulary projection's) through
+        change, in place; the embedding's lookup keeps its own."""
+        for layer in self.layers:
+            layer.qkv = change(layer.qkv)
+            layer.o = change(layer.o)
+            if layer.gate_up is not None and layer.down is not None:
+                layer.gate_up = change(layer.gate_up)
+                layer.down = change(layer.down)
+        self.lm_head = change(self.lm_head)
 
 
 def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Weights:

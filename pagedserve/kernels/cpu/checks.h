@@ -1,5 +1,5 @@
 // The argument checks the CPU ops share, made before an op reads an element: each raises a ValueError (as
-// kernels/cuda_ops.py's checks do) naming the argument, what it must be and what it was given. The message
+// pagedserve/kernels/cuda_ops.py's checks do) naming the argument, what it must be and what it was given. The message
 // parts are evaluated only when a check fails, so a passing check costs a few compares.
 
 #pragma once

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import AttentionMetadata
+from pagedserve.kernels.backend import AttentionMetadata
 
 # Partition lengths are multiples of this, which every page size divides, so a partition is whole pages.
 PARTITION_QUANTUM = 32

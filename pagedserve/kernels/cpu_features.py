@@ -4,11 +4,12 @@ A CPU's flags (and the cpuinfo library torch reads them through) say what the si
 process may run it is another matter: AMX's tiles need the kernel's leave (arch_prctl), and a hypervisor may
 advertise what it does not pass through; these machines advertise AMX, and llama.cpp built with its AMX
 paths dies of SIGILL on them. So each feature that is advertised is run once, on known inputs, in a child
-process (`probe_feature` in kernels/cpu/features.cpp): a SIGILL, a wrong answer or a hang there costs the
-child, and the worker goes on without the feature, saying why.
+process (`probe_feature` in pagedserve/kernels/cpu/features.cpp): a SIGILL, a wrong answer or a hang there
+costs the child, and the worker goes on without the feature, saying why.
 
 - `avx512_bf16` (vdpbf16ps): the few-row GEMM's bfloat16 dot products. Its probe also runs that GEMM both
   ways on random inputs, so that a path this machine cannot check otherwise is checked where it runs.
+- `avx512_vnni` (vpdpbusd): with `avx512_bf16`, int8 weights times activations quantized to int8 per row.
 - `amx_bf16`: oneDNN's bfloat16 GEMMs (torch's F.linear), which use the tiles where it finds them.
 
 Either makes bfloat16 this CPU's best dtype (`best_dtype`); without both, float32 is faster, since a
@@ -28,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FEATURES = ("avx512_bf16", "amx_bf16")
+FEATURES = ("avx512_bf16", "avx512_vnni", "amx_bf16")
 PROBE_TIMEOUT_S = (
     120  # a child that imports torch and loads the ops; a hung instruction must not hang a start
 )
@@ -44,6 +45,7 @@ class Feature:
 @dataclass(frozen=True)
 class CpuFeatures:
     avx512_bf16: Feature
+    avx512_vnni: Feature
     amx_bf16: Feature
 
     @property
@@ -79,7 +81,7 @@ def probe(name: str) -> Feature:
     """Runs the feature in a child: usable only if the child ran it and got the known answers."""
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "kernels.cpu_features", name],
+            [sys.executable, "-m", "pagedserve.kernels.cpu_features", name],
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT_S,
@@ -97,20 +99,23 @@ def probe(name: str) -> Feature:
 
 
 def _check_dot_bf16(ops: object) -> None:
-    """The few-row GEMM with vdpbf16ps against the same GEMM widened to float32, on random inputs."""
+    """The packed GEMM (vdpbf16ps) against the few-row GEMM widened to float32, on random inputs."""
+    from pagedserve.kernels.cpu_backend import pack_linear
+
     generator = torch.Generator().manual_seed(0)
     for rows, k, n in ((1, 576, 64), (5, 1000, 33), (16, 64, 8)):
         x = torch.randn(rows, k, generator=generator).bfloat16()
         w = torch.randn(n, k, generator=generator).bfloat16()
         bias = torch.randn(n, generator=generator).bfloat16()
-        dot = ops.skinny_linear(x, w, None, bias, True)  # type: ignore[attr-defined]
-        widened = ops.skinny_linear(x, w, None, bias, False)  # type: ignore[attr-defined]
+        packed = pack_linear(w)
+        dot = ops.packed_linear(x, packed.data, None, None, bias, n)  # type: ignore[attr-defined]
+        widened = ops.skinny_linear(x, w, None, bias)  # type: ignore[attr-defined]
         torch.testing.assert_close(dot.float(), widened.float(), rtol=2e-2, atol=2e-2 * k**0.5)
 
 
 def main(name: str) -> int:
     """The child's side: 0 when the feature gives the right answers, 1 when not; SIGILL kills it first."""
-    from kernels.cpu_backend import cpu_ops
+    from pagedserve.kernels.cpu_backend import cpu_ops
 
     ops = cpu_ops()
     if ops is None:

@@ -1,4 +1,4 @@
-// The CUDA kernels of csrc/, compiled by the host's C++ compiler and run on the CPU (kernels/emulator.py).
+// The CUDA kernels of csrc/, compiled by the host's C++ compiler and run on the CPU (pagedserve/kernels/emulator.py).
 //
 // Each CUDA thread of a block is a fiber on one OS thread: a fiber runs until it reaches a barrier
 // (__syncthreads, a warp shuffle, __syncwarp), then the next one runs. A block's threads run round-robin

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, QuantizedWeight, Routing, Weight
+from pagedserve.kernels.backend import (
+    AttentionMetadata,
+    ExpertWeights,
+    LayerAttention,
+    QuantizedWeight,
+    Routing,
+    Weight,
+    plain_weight,
+)
 
 # What one more decode group costs a layer (its gather, mask and attention calls), in padded token slots
 # that it saves from being gathered and attended to: about 5 ms a step against 14 us a slot on this CPU.
@@ -155,7 +163,11 @@ class TorchBackend:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def prepare_linear(self, weight: Weight, dtype: torch.dtype) -> Weight:
+        return weight
+
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = plain_weight(weight)
         if isinstance(weight, QuantizedWeight):
             return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)

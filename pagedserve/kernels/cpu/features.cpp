@@ -1,5 +1,5 @@
 // Runs one instruction of a CPU feature on known inputs and says whether it gave the known answer:
-// kernels/cpu_features.py calls this in a child process, where an instruction the CPU or the kernel refuses
+// pagedserve/kernels/cpu_features.py calls this in a child process, where an instruction the CPU or the kernel refuses
 // (SIGILL) ends the child, not the worker. Each probe is compiled for its feature alone (a target
 // attribute), so that a build for any x86-64 level has them all.
 
@@ -26,6 +26,17 @@ __attribute__((target("avx512f,avx512bf16"))) bool avx512_bf16() {
   _mm512_storeu_ps(out, _mm512_dpbf16_ps(_mm512_set1_ps(0.5f), ones, twos));
   for (const float v : out) {
     if (v != 4.5f) return false;
+  }
+  return true;
+}
+
+// vpdpbusd: each int32 lane adds the products of its four unsigned and signed byte pairs: 5 + 4 * 200 * -3.
+__attribute__((target("avx512f,avx512vnni"))) bool avx512_vnni() {
+  int32_t out[16];
+  _mm512_storeu_si512(out, _mm512_dpbusd_epi32(_mm512_set1_epi32(5), _mm512_set1_epi8(static_cast<char>(200)),
+                                               _mm512_set1_epi8(-3)));
+  for (const int32_t v : out) {
+    if (v != 5 - 2400) return false;
   }
   return true;
 }
@@ -68,12 +79,14 @@ __attribute__((target("amx-tile,amx-bf16"))) bool amx_bf16() {
 }  // namespace
 #endif
 
-// Whether feature (avx512_bf16 or amx_bf16) ran and gave the right answer; an unknown name is a ValueError.
+// Whether feature (avx512_bf16, avx512_vnni or amx_bf16) ran and gave the right answer; an unknown name is a ValueError.
 bool probe_feature(const std::string& feature) {
 #if defined(__x86_64__)
   if (feature == "avx512_bf16") return avx512_bf16();
+  if (feature == "avx512_vnni") return avx512_vnni();
   if (feature == "amx_bf16") return amx_bf16();
 #endif
-  TORCH_CHECK_VALUE(feature == "avx512_bf16" || feature == "amx_bf16", "no probe for ", feature);
+  TORCH_CHECK_VALUE(feature == "avx512_bf16" || feature == "avx512_vnni" || feature == "amx_bf16", "no probe for ",
+                    feature);
   return false;  // not an x86-64 CPU
 }

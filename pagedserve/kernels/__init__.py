@@ -8,22 +8,24 @@ implements it with plain torch on any device, the CPU included; it is also the r
 kernels are tested against.
 """
 
-from kernels.backend import (
+from pagedserve.kernels.backend import (
     AttentionMetadata,
     ExpertWeights,
     KernelBackend,
     LayerAttention,
+    PackedWeight,
     QuantizedWeight,
     Routing,
     Weight,
 )
-from kernels.torch_ref import TorchBackend
+from pagedserve.kernels.torch_ref import TorchBackend
 
 __all__ = [
     "AttentionMetadata",
     "ExpertWeights",
     "KernelBackend",
     "LayerAttention",
+    "PackedWeight",
     "QuantizedWeight",
     "Routing",
     "TorchBackend",

@@ -4,7 +4,7 @@
 // bfloat16) and convert through float with PTX: cvt.rn rounds to nearest even, as torch does.
 // Each source is compiled once per element type, chosen with -DDTYPE_F32, -DDTYPE_F16 or -DDTYPE_BF16.
 
-#ifndef PAGEDSERVE_EMULATE  // kernels/csrc/emulate.h has the host's versions
+#ifndef PAGEDSERVE_EMULATE  // pagedserve/kernels/csrc/emulate.h has the host's versions
 __device__ __forceinline__ float half_bits_to_float(unsigned short x) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));

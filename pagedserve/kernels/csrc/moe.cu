@@ -1,5 +1,5 @@
 // A mixture of experts' gated MLPs as two grouped GEMMs over the (token, slot) pairs, pair = token * top_k +
-// slot, P = T * top_k of them, grouped by expert into row tiles (kernels/cuda_experts.py sorts them on the
+// slot, P = T * top_k of them, grouped by expert into row tiles (pagedserve/kernels/cuda_experts.py sorts them on the
 // device, each expert's group padded to whole tiles of BLOCK_M rows):
 //   moe_gate_up: act[pair] = gated(x[token] gate_up[e]^T + gate_up_bias[e])         act [P, I]
 //   moe_down:    out[pair] = (act[pair] down[e]^T + down_bias[e]) * weights[pair]   out [P, H]

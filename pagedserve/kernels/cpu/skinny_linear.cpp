@@ -7,8 +7,8 @@
 // stretch of W's rows once, widening them to float32 in registers: four W rows at a time, against four x rows
 // at a time (which stay in cache, as float32), sixteen dot products accumulating in vector registers. An int8
 // weight is a quarter of float32's bytes to read. On a CPU with AVX512-BF16 (which the worker ran before
-// choosing it: kernels/cpu_features.py), bfloat16 x takes vdpbf16ps instead, two products a float32 lane an
-// instruction: with a bfloat16 W as it is, with an int8 W widened to bfloat16 (exactly) in registers.
+// choosing it: pagedserve/kernels/cpu_features.py), a bfloat16 model's weights are packed at load for
+// packed_linear.cpp instead, which is faster at every number of rows.
 
 #include <torch/extension.h>
 
@@ -17,10 +17,6 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include "checks.h"
 #include "floats.h"
@@ -105,89 +101,6 @@ void run(const Operands<W, Y>& o, int64_t m_len) {
   });
 }
 
-#if defined(__x86_64__)
-// 32 of W's values as bfloat16: a bfloat16 W's own, or an int8 W's, which bfloat16 holds exactly (8 bits of
-// precision), so the products are the ones the float32 path makes.
-__attribute__((target("avx512f,avx512bf16"))) inline __m512bh load_bf16x32(const bf16* w) {
-  return (__m512bh)_mm512_loadu_si512(w);
-}
-
-__attribute__((target("avx512f,avx512bf16"))) inline __m512bh load_bf16x32(const int8_t* w) {
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-// block() with vdpbf16ps, for bfloat16 x: 32 of a row's values a 512-bit load. w points at W's row n: o.w's
-// own, or the same rows widened to bfloat16.
-template <int MB, int NB, typename W, typename V>
-__attribute__((target("avx512f,avx512bf16"))) void block_dot_bf16(const Operands<W, bf16>& o, const bf16* x,
-                                                                   const V* w, int64_t m0, int64_t n) {
-  __m512 acc[MB][NB];
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-  const int64_t k_len = o.k_len;
-  int64_t k = 0;
-  for (; k + 32 <= k_len; k += 32) {
-    __m512bh ws[NB];
-    for (int j = 0; j < NB; ++j) ws[j] = load_bf16x32(w + j * k_len + k);
-    for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * k_len + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, ws[j]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) {
-      float sum = _mm512_reduce_add_ps(acc[i][j]);
-      for (int64_t r = k; r < k_len; ++r) sum += to_float(x[(m0 + i) * k_len + r]) * to_float(w[j * k_len + r]);
-      if (o.scale) sum *= o.scale[n + j];
-      if (o.bias) sum += o.bias[n + j];
-      o.y[(m0 + i) * o.n_total + n + j] = from_float<bf16>(sum);
-    }
-  }
-}
-
-template <int NB, typename W, typename V>
-__attribute__((target("avx512f,avx512bf16"))) void rows_block_dot_bf16(const Operands<W, bf16>& o, const bf16* x,
-                                                                        const V* w, int64_t m_len, int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= m_len; m += 4) block_dot_bf16<4, NB>(o, x, w, m, n);
-  switch (m_len - m) {
-    case 3: block_dot_bf16<3, NB>(o, x, w, m, n); break;
-    case 2: block_dot_bf16<2, NB>(o, x, w, m, n); break;
-    case 1: block_dot_bf16<1, NB>(o, x, w, m, n); break;
-    default: break;
-  }
-}
-
-// W rows [n, n + NB) against every x row; an int8 W read by more than one block of x rows is widened to
-// bfloat16 once, into wide (a thread's), as rows() does.
-template <int NB, typename W>
-__attribute__((target("avx512f,avx512bf16"))) void rows_dot_bf16(const Operands<W, bf16>& o, const bf16* x,
-                                                                  int64_t m_len, int64_t n, std::vector<bf16>& wide) {
-  const W* w = o.w + n * o.k_len;
-  if (std::is_same_v<W, bf16> || m_len <= 4) {
-    rows_block_dot_bf16<NB>(o, x, w, m_len, n);
-    return;
-  }
-  wide.resize(NB * o.k_len);
-  for (int64_t i = 0; i < NB * o.k_len; ++i) wide[i] = from_float<bf16>(to_float(w[i]));
-  rows_block_dot_bf16<NB>(o, x, wide.data(), m_len, n);
-}
-
-template <typename W>
-void run_dot_bf16(const Operands<W, bf16>& o, const bf16* x, int64_t m_len) {
-  at::parallel_for(0, o.n_total, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<bf16> wide;
-    int64_t n = begin;
-    for (; n + 4 <= end; n += 4) rows_dot_bf16<4>(o, x, m_len, n, wide);
-    for (; n < end; ++n) rows_dot_bf16<1>(o, x, m_len, n, wide);
-  });
-}
-#endif
-
 void check(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
            const std::optional<torch::Tensor>& bias) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_cpu_float, pagedserve::check_shape,
@@ -214,9 +127,8 @@ void check(const torch::Tensor& x, const torch::Tensor& weight, const std::optio
 
 }  // namespace
 
-// dot_bf16: take vdpbf16ps where x and W are bfloat16 (the caller has seen this CPU run it).
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> bias, bool dot_bf16) {
+                            std::optional<torch::Tensor> bias) {
   check(x, weight, scale, bias);
   const auto wc = weight.contiguous();
   const auto bf = bias ? std::optional<torch::Tensor>(bias->to(torch::kFloat32).contiguous()) : std::nullopt;
@@ -224,22 +136,6 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional
   auto y = torch::empty({m_len, n_len}, x.options());
   const float* scale_data = scale ? scale->data_ptr<float>() : nullptr;
   const float* bias_data = bf ? bf->data_ptr<float>() : nullptr;
-#if defined(__x86_64__)
-  if (dot_bf16 && x.scalar_type() == torch::kBFloat16) {
-    const auto xc = x.contiguous();
-    if (wc.scalar_type() == torch::kBFloat16) {
-      run_dot_bf16<bf16>({nullptr, wc.data_ptr<bf16>(), nullptr, bias_data, y.data_ptr<bf16>(), k_len, n_len},
-                         xc.data_ptr<bf16>(), m_len);
-      return y;
-    }
-    if (wc.scalar_type() == torch::kInt8) {
-      run_dot_bf16<int8_t>(
-          {nullptr, wc.data_ptr<int8_t>(), scale_data, bias_data, y.data_ptr<bf16>(), k_len, n_len},
-          xc.data_ptr<bf16>(), m_len);
-      return y;
-    }
-  }
-#endif
   const auto xf = x.to(torch::kFloat32).contiguous();
   pagedserve::with_float_type(x, "x", [&](auto y_tag) {
     using Y = decltype(y_tag);

@@ -4,20 +4,23 @@ are int8 or float8.
 
 The torch reference gathers every decoding sequence's pages into a copy, every layer, every step, and
 zeroes the stale tail of each last page so that a masked softmax cannot meet a NaN; on a CPU that costs
-more than the attention itself. `kernels/cpu/paged_decode.cpp` and `paged_prefill.cpp` read each K and V
-row where it lies, only up to the sequence's length. `kernels/cpu/elementwise.cpp` does RMSNorm (with the
-residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for every operator.
+more than the attention itself. `pagedserve/kernels/cpu/paged_decode.cpp` and `paged_prefill.cpp` read each K
+and V row where it lies, only up to the sequence's length. `pagedserve/kernels/cpu/elementwise.cpp` does
+RMSNorm (with the residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for
+every operator.
 
-GEMMs of a decode step's few rows stream their weight once through `skinny_linear.cpp`, widening bfloat16,
-int8 or float8 to float32 in registers (vdpbf16ps instead, where kernels/cpu_features.py saw it run). More
-rows go to torch: oneDNN for bfloat16 on a CPU that runs it in hardware (AMX or AVX512-BF16), MKL in float32
-otherwise, with a bfloat16 or quantized weight widened to float32 first.
+Where cpu_features.py saw vdpbf16ps run and the model computes in bfloat16, each bfloat16 or int8
+linear weight is packed at load for `packed_linear.cpp`, which serves every number of rows. Otherwise GEMMs of
+a decode step's few rows stream their weight once through `skinny_linear.cpp`, widening bfloat16, int8 or
+float8 to float32 in registers, and more rows go to torch: oneDNN for bfloat16 on a CPU that runs it in
+hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or quantized weight widened to
+float32 first.
 
 The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into
 cpu-kernels/ in the cache folder, or $PAGEDSERVE_CPU_KERNELS: the first start takes a minute or more on a
 few cores, says so, and later starts load the build. An image has no compiler: its build ran `python -m
-kernels.cpu_backend x86-64-v3 x86-64-v4` (Dockerfile) into $PAGEDSERVE_CPU_KERNELS, and the worker loads
-the best of those levels that its CPU runs. Where there is no build it can run and none can be made, the
+pagedserve.kernels.cpu_backend x86-64-v3 x86-64-v4` (Dockerfile) into $PAGEDSERVE_CPU_KERNELS, and the worker
+loads the best of those levels that its CPU runs. Where there is no build it can run and none can be made, the
 worker runs the torch reference and says why. Other dtypes and CUDA tensors take the reference.
 """
 
@@ -41,9 +44,17 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, QuantizedWeight, Routing, Weight
-from kernels.cpu_features import CpuFeatures
-from kernels.torch_ref import TorchBackend, quantized_linear
+from pagedserve.kernels.backend import (
+    AttentionMetadata,
+    ExpertWeights,
+    LayerAttention,
+    PackedWeight,
+    QuantizedWeight,
+    Routing,
+    Weight,
+)
+from pagedserve.kernels.cpu_features import CpuFeatures
+from pagedserve.kernels.torch_ref import TorchBackend, quantized_linear
 from pagedserve.plumbing.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -52,8 +63,7 @@ log = logging.getLogger(__name__)
 # slower at 2-16 rows than at 1 (scripts/bench_cpu_ops.py measures both).
 SKINNY_ROWS = 16
 # An int8 or float8 weight takes skinny_linear for more rows: widening it there, a few rows at a time, costs
-# less than widening all of it for MKL (scripts/bench_quantized.py). With vdpbf16ps, an int8 weight against
-# bfloat16 rows takes it for any number of rows: twice MKL's float32 rate at 256 rows here.
+# less than widening all of it for MKL (scripts/bench_quantized.py).
 QUANTIZED_SKINNY_ROWS = 128
 
 CSRC = Path(__file__).parent / "cpu"
@@ -64,6 +74,7 @@ SOURCES = [
         "paged_prefill.cpp",
         "elementwise.cpp",
         "skinny_linear.cpp",
+        "packed_linear.cpp",
         "moe.cpp",
         "features.cpp",
         "bindings.cpp",
@@ -224,11 +235,16 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self, ops: ModuleType, features: CpuFeatures | None = None) -> None:
-        """features: what this CPU was seen to run (kernels.cpu_features); None assumes no bfloat16
+        """features: what this CPU was seen to run (pagedserve.kernels.cpu_features); None assumes no bfloat16
         arithmetic, whose paths are right on any CPU."""
         super().__init__()
         self._ops = ops
         self._dot_bf16 = features is not None and features.avx512_bf16.usable
+        self._dot_int8 = self._dot_bf16 and features is not None and features.avx512_vnni.usable
+        # With AMX's tiles, oneDNN's bfloat16 GEMM on [N, K] took a sixth of the packed one's time at 1024
+        # rows and a third at 64, where the few-row GEMM on [N, K] keeps a decode step within 20% of the
+        # packed one's (scripts/bench_quantized.py): bfloat16 weights stay [N, K] there.
+        self._pack_bf16 = self._dot_bf16 and not (features is not None and features.amx_bf16.usable)
         self._native_bf16 = features is not None and features.native_bf16
 
     def rms_norm(
@@ -250,17 +266,46 @@ class CpuBackend(TorchBackend):
             return super().silu_and_mul(x)
         return self._ops.silu_and_mul(x)
 
+    def prepare_linear(self, weight: Weight, dtype: torch.dtype) -> Weight:
+        """Where this CPU runs vdpbf16ps and activations are bfloat16, a weight packed for packed_linear.cpp:
+        bfloat16 where AMX does not run, and int8 where it runs vpdpbusd too (a copy: a vocabulary projection
+        tied to the embedding keeps the embedding too)."""
+        data = weight.data if isinstance(weight, QuantizedWeight) else weight
+        if (
+            not self._dot_bf16
+            or dtype != torch.bfloat16
+            or not isinstance(data, torch.Tensor)
+            or data.device.type != "cpu"
+            or data.dtype not in self._packed_dtypes()
+            or data.shape[1] % pack_step(data.dtype)
+        ):
+            return weight
+        return pack_linear(weight)  # type: ignore[arg-type]
+
+    def _packed_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The weights' dtypes prepare_linear packs: bfloat16 for vdpbf16ps (not where AMX runs oneDNN's),
+        int8 for vpdpbusd."""
+        dtypes = []
+        if self._pack_bf16:
+            dtypes.append(torch.bfloat16)
+        if self._dot_int8:
+            dtypes.append(torch.int8)
+        return tuple(dtypes)
+
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _ours(x):
             return super().linear(x, weight, bias)
         rows = x.shape[0]
+        if isinstance(weight, PackedWeight):
+            if x.dtype != torch.bfloat16:
+                return super().linear(x, weight, bias)
+            return self._ops.packed_linear(x, weight.data, weight.scale, weight.sums, bias, weight.rows)
         if isinstance(weight, QuantizedWeight):
-            dot_int8 = self._dot_bf16 and x.dtype == torch.bfloat16 and weight.data.dtype == torch.int8
-            if rows > QUANTIZED_SKINNY_ROWS and not dot_int8:
+            if rows > QUANTIZED_SKINNY_ROWS:
                 return quantized_linear(x, weight, bias)
-            return self._ops.skinny_linear(x, weight.data, weight.scale, bias, self._dot_bf16)
+            return self._ops.skinny_linear(x, weight.data, weight.scale, bias)
         if rows <= SKINNY_ROWS:
-            return self._ops.skinny_linear(x, weight, None, bias, self._dot_bf16)
+            return self._ops.skinny_linear(x, weight, None, bias)
         if x.dtype == torch.bfloat16 and not self._native_bf16:
             wide = None if bias is None else bias.float()
             return F.linear(x.float(), weight.float(), wide).to(x.dtype)
@@ -318,8 +363,38 @@ class CpuBackend(TorchBackend):
         tables, lens = meta.block_tables[:n], meta.seq_lens[:n]
         sinks = None if layer.sinks is None else layer.sinks.float()
         return self._ops.paged_decode(
-            q.contiguous(), kv_layer, tables, lens, layer.scale, layer.window, layer.softcap, sinks
+            q.contiguous(),
+            kv_layer,
+            tables,
+            lens,
+            layer.scale,
+            layer.window,
+            layer.softcap,
+            sinks,
+            self._dot_bf16,
         )
+
+
+PACK_GROUP = 32  # output rows packed_linear.cpp reads together
+
+
+def pack_step(dtype: torch.dtype) -> int:
+    """The consecutive k that packed_linear.cpp multiplies at once: vdpbf16ps's pairs, vpdpbusd's fours."""
+    return 4 if dtype == torch.int8 else 2
+
+
+def pack_linear(weight: torch.Tensor | QuantizedWeight) -> PackedWeight:
+    """weight [N, K] (bfloat16, or int8 with its scale) as packed_linear.cpp reads it: its rows in groups of
+    32 (the last padded with zeros), each group [K / step, 32, step]: step consecutive k of 32 rows together
+    (pack_step); an int8 weight also keeps 128 times each row's sum, for the kernel to take off again (it
+    multiplies x offset by 128, as unsigned bytes)."""
+    data, scale = (weight.data, weight.scale) if isinstance(weight, QuantizedWeight) else (weight, None)
+    rows, k = data.shape
+    step = pack_step(data.dtype)
+    padded = torch.cat((data, data.new_zeros(-rows % PACK_GROUP, k)))
+    packed = padded.view(-1, PACK_GROUP, k // step, step).permute(0, 2, 1, 3).contiguous()
+    sums = 128 * padded.sum(1, dtype=torch.int32) if data.dtype == torch.int8 else None
+    return PackedWeight(packed, scale, rows, sums)
 
 
 def _ours(x: torch.Tensor) -> bool:

@@ -81,7 +81,35 @@ class QuantizedWeight:
         return (self.data.float() * self.scale[:, None]).to(dtype)
 
 
-Weight = torch.Tensor | QuantizedWeight  # a linear layer's weight, as the backends' linear takes it
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear layer's weight [N, K] in the layout one backend's kernel reads (the CPU backend's, for
+    vdpbf16ps or vpdpbusd: pagedserve/kernels/cpu_backend.py), made at load by that backend's prepare_linear.
+    unpacked() gives it back as it was, for any other backend."""
+
+    data: torch.Tensor  # [ceil(N / 32), K / step, 32, step]: bfloat16, or int8 with a scale
+    scale: torch.Tensor | None  # [N] float32, for int8 data
+    rows: int  # N
+    sums: torch.Tensor | None = None  # [32 ceil(N / 32)] int32: 128 * each row's sum, for int8 in fours
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.data.shape[1] * self.data.shape[3]))
+
+    def unpacked(self) -> torch.Tensor | QuantizedWeight:
+        groups, steps, group, step = self.data.shape
+        plain = self.data.permute(0, 2, 1, 3).reshape(groups * group, steps * step)[: self.rows].contiguous()
+        return plain if self.scale is None else QuantizedWeight(plain, self.scale)
+
+
+Weight = (
+    torch.Tensor | QuantizedWeight | PackedWeight
+)  # a linear layer's weight, as the backends' linear takes it
+
+
+def plain_weight(weight: Weight) -> torch.Tensor | QuantizedWeight:
+    """weight as [N, K] rows: a packed weight unpacked (a copy), any other as it is."""
+    return weight.unpacked() if isinstance(weight, PackedWeight) else weight
 
 
 @dataclass
@@ -149,6 +177,10 @@ class KernelBackend(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2 * I] holds gate then up; returns silu(gate) * up, [T, I]."""
+
+    def prepare_linear(self, weight: Weight, dtype: torch.dtype) -> Weight:
+        """A linear layer's weight as this backend reads it fastest, against activations of dtype: at load,
+        once (the weight itself, or a PackedWeight)."""
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] W^T [K, N] (+ bias [N]): F.linear. A quantized weight's product is taken in float32

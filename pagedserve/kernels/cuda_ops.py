@@ -1,8 +1,9 @@
 """Typed wrappers of the CUDA kernels in csrc/: each checks shapes, dtypes and strides, picks the launch
-and the compile-time shape, then launches (kernels/launch.py) on torch's current stream.
+and the compile-time shape, then launches (pagedserve/kernels/launch.py) on torch's current stream.
 
 Tensors travel as raw device pointers: CuPy has no bfloat16, and the kernels read 16-bit types as bits.
-With CPU tensors, the same kernels run in the emulator (kernels/emulator.py), for tests with no GPU.
+With CPU tensors, the same kernels run in the emulator (pagedserve/kernels/emulator.py), for tests with no
+GPU.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import get_args
 import numpy as np
 import torch
 
-from kernels.backend import AttentionMetadata, LayerAttention, PageSize
-from kernels.launch import launch, max_shared_bytes, resident_blocks
-from kernels.nvrtc import DTYPE_MACROS
-from kernels.tuning import (
+from pagedserve.kernels.backend import AttentionMetadata, LayerAttention, PageSize
+from pagedserve.kernels.launch import launch, max_shared_bytes, resident_blocks
+from pagedserve.kernels.nvrtc import DTYPE_MACROS
+from pagedserve.kernels.tuning import (
     Tuning,
     decode_mma_shared_bytes,
     decode_mma_stages,
@@ -163,7 +164,7 @@ def paged_decode(
     its window, for a sliding layer), as `layer` says.
 
     max_seq_len bounds every seq_lens entry; with the batch's size and the device's, it sets how many
-    partitions each sequence is split into (kernels.tuning.decode_split).
+    partitions each sequence is split into (pagedserve.kernels.tuning.decode_split).
     """
     shape = _attention(out, q, kv_layer, block_tables, layer)
     _index(seq_lens, "seq_lens", 1)

@@ -13,11 +13,11 @@
 #include "checks.h"
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> bias, bool dot_bf16);
+                            std::optional<torch::Tensor> bias);
 
 namespace {
 
-constexpr int64_t kSkinnyRows = 16;  // kernels/cpu_backend.py's SKINNY_ROWS
+constexpr int64_t kSkinnyRows = 16;  // pagedserve/kernels/cpu_backend.py's SKINNY_ROWS
 
 using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_cpu_float, pagedserve::check_shape,
     pagedserve::kAny;
@@ -32,7 +32,7 @@ void check_bias(const std::optional<torch::Tensor>& bias, const char* name, std:
 
 torch::Tensor expert_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const std::optional<torch::Tensor>& bias) {
-  return x.size(0) <= kSkinnyRows ? skinny_linear(x, weight, std::nullopt, bias, false) : at::linear(x, weight, bias);
+  return x.size(0) <= kSkinnyRows ? skinny_linear(x, weight, std::nullopt, bias) : at::linear(x, weight, bias);
 }
 
 std::optional<torch::Tensor> row(const std::optional<torch::Tensor>& bias, int64_t expert) {

@@ -6,10 +6,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cuda_experts, cuda_ops
-from kernels.backend import AttentionMetadata, ExpertWeights, LayerAttention, QuantizedWeight, Routing, Weight
-from kernels.torch_ref import quantized_linear
-from kernels.tuning import tuning_for
+from pagedserve.kernels import cuda_experts, cuda_ops
+from pagedserve.kernels.backend import (
+    AttentionMetadata,
+    ExpertWeights,
+    LayerAttention,
+    QuantizedWeight,
+    Routing,
+    Weight,
+    plain_weight,
+)
+from pagedserve.kernels.torch_ref import quantized_linear
+from pagedserve.kernels.tuning import tuning_for
 
 EMULATED_ARCH = 90
 
@@ -21,7 +29,7 @@ class CupyBackend:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             self.tuning = tuning_for(major * 10 + minor)
-        else:  # the kernels in the emulator (kernels/emulator.py), launched as on a Hopper
+        else:  # the kernels in the emulator (pagedserve/kernels/emulator.py), launched as on a Hopper
             self.tuning = tuning_for(EMULATED_ARCH)
 
     def write_kv(
@@ -57,7 +65,11 @@ class CupyBackend:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return cuda_ops.silu_and_mul(x, self.tuning)
 
+    def prepare_linear(self, weight: Weight, dtype: torch.dtype) -> Weight:
+        return weight
+
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = plain_weight(weight)
         if isinstance(weight, QuantizedWeight):  # dequantized each call: correct, not fast
             return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)  # cuBLAS

@@ -1,6 +1,7 @@
 """Where a kernel of csrc/ runs: on a CUDA device through CuPy, on torch's current stream, so that it orders
-with torch's own work and can be captured in CUDA graphs; on the CPU in the emulator (kernels/emulator.py).
-And how many of its blocks the device holds at once, which sizes grids that must fill it.
+with torch's own work and can be captured in CUDA graphs; on the CPU in the emulator
+(pagedserve/kernels/emulator.py). And how many of its blocks the device holds at once, which sizes grids that
+must fill it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Any
 
 import torch
 
-from kernels.emulator import emulated_kernel
-from kernels.nvrtc import load_kernel
+from pagedserve.kernels.emulator import emulated_kernel
+from pagedserve.kernels.nvrtc import load_kernel
 
 # The emulator's stand-in for a device's resident decode blocks: 4 SMs of 2 blocks each, few, so that tests
 # with a handful of sequences meet both a split context and a batch that fills the device alone.

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kernels.nvrtc import CSRC, source
+from pagedserve.kernels.nvrtc import CSRC, source
 from pagedserve.plumbing.paths import cache_dir
 
 # The host compiler's flags: no strict aliasing, as NVRTC's sources read 16-bit types through other

@@ -1,5 +1,5 @@
 // The per-token elementwise steps of a layer, each one pass over its rows with no temporaries, as the torch
-// reference computes them (kernels/torch_ref.py): RMSNorm with the residual add, rotary embedding, and the
+// reference computes them (pagedserve/kernels/torch_ref.py): RMSNorm with the residual add, rotary embedding, and the
 // SiLU gate. float32 or bfloat16 CPU tensors, computed in float32 and rounded to the tensors' dtype where
 // transformers rounds; x, q and k with a contiguous last dimension (checks.h checks them all).
 

@@ -1,9 +1,9 @@
-"""The typed wrapper of the mixture of experts' grouped GEMMs (csrc/moe.cu), as kernels/cuda_ops.py's are:
-shape, dtype and layout checks, then the launches on torch's current stream, or in the emulator for CPU
-tensors.
+"""The typed wrapper of the mixture of experts' grouped GEMMs (csrc/moe.cu), as
+pagedserve/kernels/cuda_ops.py's are: shape, dtype and layout checks, then the launches on torch's current
+stream, or in the emulator for CPU tensors.
 
-Routing (kernels.torch_ref.route) and the grouping of the (token, slot) pairs by expert are torch ops on
-the device, and every grid is sized from T, top_k, E and the weights' shapes alone: nothing reads the
+Routing (pagedserve.kernels.torch_ref.route) and the grouping of the (token, slot) pairs by expert are torch
+ops on the device, and every grid is sized from T, top_k, E and the weights' shapes alone: nothing reads the
 routing back to the host, so a step that runs it can be captured in a CUDA graph.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.backend import ExpertWeights, Routing
-from kernels.cuda_ops import _dtype, _ptr, _require
-from kernels.launch import launch
-from kernels.torch_ref import route
-from kernels.tuning import Tuning
+from pagedserve.kernels.backend import ExpertWeights, Routing
+from pagedserve.kernels.cuda_ops import _dtype, _ptr, _require
+from pagedserve.kernels.launch import launch
+from pagedserve.kernels.torch_ref import route
+from pagedserve.kernels.tuning import Tuning
 
 
 @dataclass(frozen=True)

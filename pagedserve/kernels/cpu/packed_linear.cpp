@@ -1,0 +1,290 @@
+// y = x W^T * scale (+ bias) with bfloat16 x and a weight packed at load (pagedserve/kernels/cpu_backend.py packs) for
+// one instruction that multiplies several consecutive k at once:
+// - a bfloat16 W for vdpbf16ps (AVX512-BF16): two k, each group of 32 output rows stored as [K/2, 32, 2];
+// - an int8 W, with a float32 scale per output row, for vpdpbusd (AVX512-VNNI): four k, [K/4, 32, 4]; x is
+//   rounded per row to int8 first (a scale a row, max |x| / 127), the products summed exactly in int32.
+// Either way one 512-bit load holds those k of 16 outputs (the last group is padded with zero rows).
+//
+// Each of x's steps of k is broadcast to all 16 lanes, so each accumulator lane is one output's running
+// sum over k: no horizontal sums, where skinny_linear.cpp, reading W as [N, K], ends every dot product in
+// one. A tile is up to 12 x rows against a group's 32 outputs (24 accumulators); a group's W is read once
+// for all the tiles a thread runs against it. scripts/bench_quantized.py times it: at one row it reads W at
+// close to the machine's memory rate; in bfloat16 it is faster than oneDNN's GEMM on unpacked weights at
+// every number of rows it measured, and int8 x int8 is faster again (twice the products an instruction).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "checks.h"
+#include "floats.h"
+
+namespace {
+
+using pagedserve::bf16;
+
+constexpr int64_t kGroup = 32;    // outputs a group packs: two 16-lane accumulators
+constexpr int64_t kTileRows = 12;  // x rows a tile: 24 accumulators of the 32 vector registers
+constexpr int64_t kStepBytes = 128;  // a step of k of a group's W: two 512-bit vectors
+
+#if defined(__x86_64__)
+#define PACKED_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
+
+struct Operands {
+  const void* x;         // [M, K]: bfloat16, or uint8 (quantized rows, offset by 128)
+  const float* x_scale;  // [M], for uint8 x
+  const void* w;         // [G, K / kStep, 32, kStep]
+  const int32_t* w_sums;  // [G * 32]: 128 * each output's sum of W, for int8 x int8
+  const float* scale;    // [N] or null
+  const float* bias;     // [N] or null
+  bf16* y;               // [M, N]
+  int64_t k_len, n_len;
+};
+
+// Each Dot is one instruction's way to multiply: kStep consecutive k of 32 outputs are kStepBytes of W
+// (outputs 0-15, then 16-31), and kStep consecutive k of a row of x are 4 bytes, broadcast to all 16 lanes.
+
+// bfloat16 x and W: vdpbf16ps.
+struct Bf16Dot {
+  using X = bf16;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 2;
+  PACKED_TARGET static Acc zero() { return _mm512_setzero_ps(); }
+  PACKED_TARGET static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  PACKED_TARGET static void load(const void* w, __m512i& lo, __m512i& hi) {
+    lo = _mm512_loadu_si512(w);
+    hi = _mm512_loadu_si512(static_cast<const char*>(w) + 64);
+  }
+  PACKED_TARGET static Acc dot(Acc acc, __m512i x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+  PACKED_TARGET static __m512 sums(Acc acc, const Operands&, int64_t, int64_t) { return acc; }
+};
+
+// x quantized per row to int8 and offset by 128 (vpdpbusd multiplies unsigned by signed bytes), int8 W: the
+// int32 sums less 128 * the output's sum of W are the int8 dot products, exactly; then x's row scale.
+struct Int8Dot {
+  using X = uint8_t;
+  // vpdpbusd's own lanes (int32), not __m512i's (int64): with the latter, GCC spills the tile's sums to the
+  // stack every step.
+  typedef int32_t Acc __attribute__((vector_size(64)));
+  static constexpr int64_t kStep = 4;
+  PACKED_TARGET static Acc zero() { return Acc{}; }
+  PACKED_TARGET static Acc add(Acc a, Acc b) { return a + b; }
+  PACKED_TARGET static void load(const void* w, __m512i& lo, __m512i& hi) { Bf16Dot::load(w, lo, hi); }
+  PACKED_TARGET static Acc dot(Acc acc, __m512i x, __m512i w) { return (Acc)_mm512_dpbusd_epi32((__m512i)acc, x, w); }
+  PACKED_TARGET static __m512 sums(Acc acc, const Operands& o, int64_t m, int64_t n0) {
+    const __m512i exact = _mm512_sub_epi32((__m512i)acc, _mm512_loadu_si512(o.w_sums + n0));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(o.x_scale[m]));
+  }
+};
+
+// x's values k .. k + kStep - 1 of a row (4 bytes), in all 16 lanes.
+template <typename X>
+PACKED_TARGET inline __m512i broadcast(const X* x) {
+  int32_t word;
+  std::memcpy(&word, x, sizeof word);
+  return _mm512_set1_epi32(word);
+}
+
+// Outputs [n0, n0 + 16) of row m from its sums: scaled, biased, rounded to bfloat16, stored where n < N.
+PACKED_TARGET inline void store(const Operands& o, int64_t m, int64_t n0, __m512 sums) {
+  const int64_t valid = o.n_len - n0;
+  if (valid <= 0) return;
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  if (o.scale) sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, o.scale + n0));
+  if (o.bias) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, o.bias + n0));
+  _mm256_mask_storeu_epi16(o.y + m * o.n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+template <typename Dot>
+PACKED_TARGET inline void store_both(const Operands& o, int64_t m, int64_t n0, const typename Dot::Acc* acc) {
+  store(o, m, n0, Dot::sums(acc[0], o, m, n0));
+  store(o, m, n0 + 16, Dot::sums(acc[1], o, m, n0 + 16));
+}
+
+// Rows [m0, m0 + MB) against group g's W, w.
+template <int MB, typename Dot>
+PACKED_TARGET void tile(const Operands& o, const char* w, int64_t m0, int64_t g) {
+  typename Dot::Acc acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = Dot::zero();
+  const auto* x = static_cast<const typename Dot::X*>(o.x) + m0 * o.k_len;
+  for (int64_t k = 0; k < o.k_len; k += Dot::kStep, w += kStepBytes) {
+    __m512i lo, hi;
+    Dot::load(w, lo, hi);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = broadcast(x + i * o.k_len + k);
+      acc[i][0] = Dot::dot(acc[i][0], xv, lo);
+      acc[i][1] = Dot::dot(acc[i][1], xv, hi);
+    }
+  }
+  for (int i = 0; i < MB; ++i) store_both<Dot>(o, m0 + i, g * kGroup, acc[i]);
+}
+
+// One row against group g: four chains of sums over k, so that each dot product waits on one four back.
+template <typename Dot>
+PACKED_TARGET void single_row(const Operands& o, const char* w, int64_t m, int64_t g) {
+  constexpr int64_t kStep = Dot::kStep;
+  typename Dot::Acc acc[4][2];
+  for (auto& chain : acc) chain[0] = chain[1] = Dot::zero();
+  const auto* x = static_cast<const typename Dot::X*>(o.x) + m * o.k_len;
+  int64_t k = 0;
+  for (; k + 4 * kStep <= o.k_len; k += 4 * kStep, w += 4 * kStepBytes) {
+    for (int u = 0; u < 4; ++u) {
+      __m512i lo, hi;
+      Dot::load(w + u * kStepBytes, lo, hi);
+      const __m512i xv = broadcast(x + k + u * kStep);
+      acc[u][0] = Dot::dot(acc[u][0], xv, lo);
+      acc[u][1] = Dot::dot(acc[u][1], xv, hi);
+    }
+  }
+  for (; k < o.k_len; k += kStep, w += kStepBytes) {
+    __m512i lo, hi;
+    Dot::load(w, lo, hi);
+    const __m512i xv = broadcast(x + k);
+    acc[0][0] = Dot::dot(acc[0][0], xv, lo);
+    acc[0][1] = Dot::dot(acc[0][1], xv, hi);
+  }
+  typename Dot::Acc total[2];
+  for (int half = 0; half < 2; ++half) {
+    total[half] = Dot::add(Dot::add(acc[0][half], acc[1][half]), Dot::add(acc[2][half], acc[3][half]));
+  }
+  store_both<Dot>(o, m, g * kGroup, total);
+}
+
+template <typename Dot>
+PACKED_TARGET void rows_against_group(const Operands& o, int64_t m0, int64_t m_end, int64_t g) {
+  const int64_t w_bytes = kStepBytes * (o.k_len / Dot::kStep);  // a group's
+  const char* w = static_cast<const char*>(o.w) + g * w_bytes;
+  int64_t m = m0;
+  if (m_end - m == 1) {
+    single_row<Dot>(o, w, m, g);
+    return;
+  }
+  for (; m + kTileRows <= m_end; m += kTileRows) tile<kTileRows, Dot>(o, w, m, g);
+  switch (m_end - m) {
+    case 11: tile<11, Dot>(o, w, m, g); break;
+    case 10: tile<10, Dot>(o, w, m, g); break;
+    case 9: tile<9, Dot>(o, w, m, g); break;
+    case 8: tile<8, Dot>(o, w, m, g); break;
+    case 7: tile<7, Dot>(o, w, m, g); break;
+    case 6: tile<6, Dot>(o, w, m, g); break;
+    case 5: tile<5, Dot>(o, w, m, g); break;
+    case 4: tile<4, Dot>(o, w, m, g); break;
+    case 3: tile<3, Dot>(o, w, m, g); break;
+    case 2: tile<2, Dot>(o, w, m, g); break;
+    case 1: tile<1, Dot>(o, w, m, g); break;
+    default: break;
+  }
+}
+
+// The work is (group, stretch of rows) pairs, group-major, so that a thread's consecutive pairs share a
+// group's W; a stretch is every row at decode sizes, and 4 tiles of rows at a prefill's.
+// The lambdas here name the target themselves: GCC does not pass a function's target to a lambda inside it.
+template <typename Dot>
+void run(const Operands& o, int64_t m_len, int64_t groups) {
+  const int64_t stretch = m_len <= 4 * kTileRows ? m_len : 4 * kTileRows;
+  const int64_t stretches = (m_len + stretch - 1) / stretch;
+  at::parallel_for(0, groups * stretches, 1, [&](int64_t begin, int64_t end) PACKED_TARGET {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / stretches, m0 = (i % stretches) * stretch;
+      rows_against_group<Dot>(o, m0, std::min(m0 + stretch, m_len), g);
+    }
+  });
+}
+
+// x [M, K] bfloat16 as int8 per row, symmetric (scale = max |x| * (1 / 127), x * (127 / max |x|) rounded to
+// nearest even), stored offset by 128 as uint8: q [M, K]; scales [M].
+PACKED_TARGET void quantize_rows(const bf16* x, int64_t m_len, int64_t k_len, uint8_t* q, float* scales) {
+  at::parallel_for(0, m_len, 16, [&](int64_t begin, int64_t end) PACKED_TARGET {
+    for (int64_t m = begin; m < end; ++m) {
+      const bf16* row = x + m * k_len;
+      const auto widen = [&](int64_t k, __mmask16 mask) PACKED_TARGET {
+        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, row + k));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      };
+      const auto mask_at = [&](int64_t k) {
+        return k + 16 <= k_len ? __mmask16(0xFFFF) : __mmask16((1u << (k_len - k)) - 1);
+      };
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t k = 0; k < k_len; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen(k, mask_at(k))));
+      const float max = _mm512_reduce_max_ps(top);
+      // Written as -ffast-math leaves them (a product by a constant's reciprocal, one division), so that a
+      // reference in float32 rounds the same ties the same way.
+      scales[m] = max > 0.0f ? max * (1.0f / 127.0f) : 1.0f;
+      const __m512 inverse = _mm512_set1_ps(max > 0.0f ? 127.0f / max : 1.0f);
+      for (int64_t k = 0; k < k_len; k += 16) {
+        const __m512i ints = _mm512_cvtps_epi32(_mm512_mul_ps(widen(k, mask_at(k)), inverse));  // to nearest
+        const __m512i offset = _mm512_add_epi32(ints, _mm512_set1_epi32(128));
+        _mm_mask_storeu_epi8(q + m * k_len + k, mask_at(k), _mm512_cvtusepi32_epi8(offset));
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> scale,
+                            std::optional<torch::Tensor> w_sums, std::optional<torch::Tensor> bias,
+                            int64_t n_len) {
+  using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
+  check_cpu(x, "x", torch::kBFloat16);
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
+  const int64_t m_len = x.size(0), k_len = x.size(1);
+  const int64_t groups = (n_len + kGroup - 1) / kGroup;
+  const bool quantized = packed.scalar_type() == torch::kInt8;
+  const int64_t step = quantized ? 4 : 2;
+  TORCH_CHECK_VALUE(n_len > 0 && k_len % step == 0, "a packed ", quantized ? "int8" : "bfloat16",
+                    " weight needs N > 0 and K a multiple of ", step, ", not N ", n_len, " and K ", k_len);
+  // vpdpbusd's int32 sums of up to K products of 255 * 127 must not overflow.
+  TORCH_CHECK_VALUE(!quantized || k_len < (int64_t{1} << 16), "an int8 x int8 product takes K below 65536, not ",
+                    k_len);
+  check_cpu(packed, "packed", quantized ? torch::kInt8 : torch::kBFloat16);
+  check_shape(packed, "packed", {groups, k_len / step, kGroup, step}, "[", groups, ", ", k_len / step, ", ", kGroup,
+              ", ", step, "]");
+  check_contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(scale.has_value() == quantized && w_sums.has_value() == quantized,
+                    quantized ? "an int8 weight needs its scale and its sums"
+                              : "a scale and sums go with an int8 weight only");
+  if (scale) {
+    check_cpu(*scale, "scale");
+    check_shape(*scale, "scale", {n_len}, "[", n_len, "]");
+    check_contiguous(*scale, "scale");
+  }
+  if (w_sums) {
+    check_cpu(*w_sums, "w_sums", torch::kInt32);
+    check_shape(*w_sums, "w_sums", {groups * kGroup}, "[", groups * kGroup, "]");
+    check_contiguous(*w_sums, "w_sums");
+  }
+  if (bias) check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
+  const auto xc = x.contiguous();
+  const auto bf = bias ? std::optional<torch::Tensor>(bias->to(torch::kFloat32).contiguous()) : std::nullopt;
+  auto y = torch::empty({m_len, n_len}, x.options());
+#if defined(__x86_64__)
+  Operands o{xc.data_ptr<bf16>(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
+             bf ? bf->data_ptr<float>() : nullptr, y.data_ptr<bf16>(), k_len, n_len};
+  if (quantized) {
+    auto q = torch::empty({m_len, k_len}, x.options().dtype(torch::kUInt8));
+    auto x_scale = torch::empty({m_len}, x.options().dtype(torch::kFloat32));
+    quantize_rows(xc.data_ptr<bf16>(), m_len, k_len, q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
+    o.x = q.data_ptr<uint8_t>();
+    o.x_scale = x_scale.data_ptr<float>();
+    o.w_sums = w_sums->data_ptr<int32_t>();
+    run<Int8Dot>(o, m_len, groups);
+  } else {
+    run<Bf16Dot>(o, m_len, groups);
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "packed_linear runs on x86-64 CPUs with AVX512-BF16");
+#endif
+}
