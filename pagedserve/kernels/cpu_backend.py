@@ -65,6 +65,9 @@ SKINNY_ROWS = 16
 # An int8 or float8 weight takes skinny_linear for more rows: widening it there, a few rows at a time, costs
 # less than widening all of it for MKL (scripts/bench_quantized.py).
 QUANTIZED_SKINNY_ROWS = 128
+# With AMX, oneDNN's bfloat16 GEMM reads the weight at the same speed (16 ms for SmolLM2's 120) from 1 row to
+# 32; skinny_linear took 10.9 ms at 1 row, 15.7 at 4 and 17.7 at 8 (on an Intel Xeon).
+AMX_SKINNY_ROWS = 4
 
 CSRC = Path(__file__).parent / "cpu"
 SOURCES = [
@@ -242,9 +245,10 @@ class CpuBackend(TorchBackend):
         self._dot_bf16 = features is not None and features.avx512_bf16.usable
         self._dot_int8 = self._dot_bf16 and features is not None and features.avx512_vnni.usable
         # With AMX's tiles, oneDNN's bfloat16 GEMM on [N, K] took a sixth of the packed one's time at 1024
-        # rows and a third at 64, where the few-row GEMM on [N, K] keeps a decode step within 20% of the
-        # packed one's (scripts/bench_quantized.py): bfloat16 weights stay [N, K] there.
-        self._pack_bf16 = self._dot_bf16 and not (features is not None and features.amx_bf16.usable)
+        # rows and a third at 64, and less from 8 rows on (scripts/bench_quantized.py): bfloat16 weights
+        # stay [N, K] there, for skinny_linear up to AMX_SKINNY_ROWS and oneDNN above.
+        self._amx = features is not None and features.amx_bf16.usable
+        self._pack_bf16 = self._dot_bf16 and not self._amx
         self._native_bf16 = features is not None and features.native_bf16
 
     def rms_norm(
@@ -304,7 +308,7 @@ class CpuBackend(TorchBackend):
             if rows > QUANTIZED_SKINNY_ROWS:
                 return quantized_linear(x, weight, bias)
             return self._ops.skinny_linear(x, weight.data, weight.scale, bias)
-        if rows <= SKINNY_ROWS:
+        if rows <= (AMX_SKINNY_ROWS if self._amx and x.dtype == torch.bfloat16 else SKINNY_ROWS):
             return self._ops.skinny_linear(x, weight, None, bias)
         if x.dtype == torch.bfloat16 and not self._native_bf16:
             wide = None if bias is None else bias.float()
