@@ -1,12 +1,14 @@
-"""Where a decode step's time goes on this CPU: the engine's step on the default model, with each kernel
-backend operation timed, for each precision the worker serves here.
+"""Where a decode (or prefill) step's time goes on this CPU: the engine's step on the default model, with
+each kernel backend operation timed, for each precision the worker serves here.
 
     python scripts/profile_step.py [--sequences 1,12,32] [--context 480] [--precisions bfloat16,int8-bfloat16]
+        [--prefill]
 
-Each sequence has a prompt of --context random tokens, prefilled first; then ten decode steps are timed, the
-whole step and each backend operation (linear, paged_attention, rms_norm, rotary, silu_and_mul, write_kv),
-with the C++ CPU kernels and the instructions the worker would use here (pagedserve/kernels/cpu_features.py).
-What the operations leave of the step is the engine's own work: batching, sampling and the model's Python.
+Each sequence has a prompt of --context random tokens, prefilled first, in one step; then ten decode steps
+are timed (or, with --prefill, that prefill step, once warmed up on other prompts): the whole step and each
+backend operation (linear, paged_attention, rms_norm, rotary, silu_and_mul, write_kv), with the C++ CPU
+kernels and the instructions the worker would use here (pagedserve/kernels/cpu_features.py). What the
+operations leave of the step is the engine's own work: batching, sampling and the model's Python.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ def timed(backend: CpuBackend, seconds: Counter[str]) -> Iterator[None]:
             delattr(backend, name)  # the class's own method again
 
 
-def profile(precision: str, sequences: int, context: int) -> dict[str, float]:
-    """Milliseconds a decode step: the whole step, and each operation's share."""
+def profile(precision: str, sequences: int, context: int, prefill: bool = False) -> dict[str, float]:
+    """Milliseconds a decode step (or the prefill step): the whole step, and each operation's share."""
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("the C++ CPU kernels could not be built here")
@@ -81,24 +83,34 @@ def profile(precision: str, sequences: int, context: int) -> dict[str, float]:
         backend=backend,
         quantization=quantization,
     )
-    pages = sequences * (-(-(context + STEPS + 2) // 16)) + 1
-    kv = LocalKVCache(model.spec.pool_shape(str(dtype).removeprefix("torch."), 16), pages)
-    config = EngineConfig(max_batched_tokens=sequences * context, max_num_seqs=sequences)
-    engine = EngineCore(model, kv, config)
     rng = random.Random(0)
-    options = SamplingOptions(max_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
-    for key in range(sequences):
-        prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
-        engine.add(engine.new_sequence(key, EngineRequest(prompt, options)))
+
+    def started() -> EngineCore:
+        """A fresh pool and engine with every prompt added, none run."""
+        pages = sequences * (-(-(context + STEPS + 2) // 16)) + 1
+        kv = LocalKVCache(model.spec.pool_shape(str(dtype).removeprefix("torch."), 16), pages)
+        config = EngineConfig(max_batched_tokens=sequences * context, max_num_seqs=sequences)
+        engine = EngineCore(model, kv, config)
+        options = SamplingOptions(max_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
+        for key in range(sequences):
+            prompt = tuple(rng.randrange(100, 40000) for _ in range(context))
+            engine.add(engine.new_sequence(key, EngineRequest(prompt, options)))
+        return engine
+
+    engine = started()
     engine.step()  # every prompt in one prefill step, and its first token
-    engine.step()  # a first decode step, untimed
+    if prefill:
+        engine, steps = started(), 1  # other prompts: nothing in a prefix cache
+    else:
+        engine.step()  # a first decode step, untimed
+        steps = STEPS
     seconds: Counter[str] = Counter()
     with timed(backend, seconds):
         start = time.perf_counter()
-        for _ in range(STEPS):
+        for _ in range(steps):
             engine.step()
         step = time.perf_counter() - start
-    return {"step": step / STEPS * 1e3} | {name: seconds[name] / STEPS * 1e3 for name in OPERATIONS}
+    return {"step": step / steps * 1e3} | {name: seconds[name] / steps * 1e3 for name in OPERATIONS}
 
 
 def main() -> None:
@@ -106,13 +118,14 @@ def main() -> None:
     parser.add_argument("--sequences", default="1,12,32")
     parser.add_argument("--context", type=int, default=480)
     parser.add_argument("--precisions", default="bfloat16,int8-bfloat16")
+    parser.add_argument("--prefill", action="store_true", help="time the prefill step, not decode steps")
     args = parser.parse_args()
     columns = " | ".join(f"{name} ms" for name in OPERATIONS)
     print(f"| precision | sequences | step ms | {columns} | rest ms |")
     print(f"|---|---|---|{'---|' * (len(OPERATIONS) + 1)}")
     for precision in args.precisions.split(","):
         for sequences in (int(n) for n in args.sequences.split(",")):
-            ms = profile(precision, sequences, args.context)
+            ms = profile(precision, sequences, args.context, args.prefill)
             rest = ms["step"] - sum(ms[name] for name in OPERATIONS)
             cells = " | ".join(f"{ms[name]:.1f}" for name in OPERATIONS)
             print(f"| {precision} | {sequences} | {ms['step']:.1f} | {cells} | {rest:.1f} |", flush=True)
