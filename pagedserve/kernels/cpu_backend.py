@@ -9,12 +9,13 @@ and V row where it lies, only up to the sequence's length. `pagedserve/kernels/c
 RMSNorm (with the residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for
 every operator.
 
-Where cpu_features.py saw vdpbf16ps run and the model computes in bfloat16, each bfloat16 or int8
-linear weight is packed at load for `packed_linear.cpp`, which serves every number of rows. Otherwise GEMMs of
-a decode step's few rows stream their weight once through `skinny_linear.cpp`, widening bfloat16, int8 or
-float8 to float32 in registers, and more rows go to torch: oneDNN for bfloat16 on a CPU that runs it in
+Where cpu_features.py saw vdpbf16ps run and the model computes in bfloat16, each int8 linear weight (where
+vpdpbusd runs too) and each bfloat16 one (where AMX does not) is packed at load for `packed_linear.cpp`,
+which serves every number of rows. Otherwise GEMMs of a decode step's few rows stream their weight once
+through `skinny_linear.cpp`, widening bfloat16, int8 or float8 to float32 in registers, and more rows go to
+torch: oneDNN for bfloat16 on a CPU that runs it in
 hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or quantized weight widened to
-float32 first.
+float32 first. With AMX, oneDNN takes a bfloat16 GEMM of more than AMX_SKINNY_ROWS rows.
 
 The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into
 cpu-kernels/ in the cache folder, or $PAGEDSERVE_CPU_KERNELS: the first start takes a minute or more on a
@@ -276,8 +277,7 @@ class CpuBackend(TorchBackend):
         tied to the embedding keeps the embedding too)."""
         data = weight.data if isinstance(weight, QuantizedWeight) else weight
         if (
-            not self._dot_bf16
-            or dtype != torch.bfloat16
+            dtype != torch.bfloat16
             or not isinstance(data, torch.Tensor)
             or data.device.type != "cpu"
             or data.dtype not in self._packed_dtypes()
