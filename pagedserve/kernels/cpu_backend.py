@@ -5,7 +5,8 @@ are int8 or float8.
 The torch reference gathers every decoding sequence's pages into a copy, every layer, every step, and
 zeroes the stale tail of each last page so that a masked softmax cannot meet a NaN; on a CPU that costs
 more than the attention itself. `pagedserve/kernels/cpu/paged_decode.cpp` and `paged_prefill.cpp` read each K
-and V row where it lies, only up to the sequence's length. `pagedserve/kernels/cpu/elementwise.cpp` does
+and V row where it lies, only up to the sequence's length; where AMX runs and the pool is bfloat16, the
+prefill's two products run on its tiles. `pagedserve/kernels/cpu/elementwise.cpp` does
 RMSNorm (with the residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for
 every operator.
 
@@ -84,7 +85,7 @@ SOURCES = [
         "bindings.cpp",
     )
 ]
-HEADERS = [CSRC / "checks.h", CSRC / "floats.h"]
+HEADERS = [CSRC / "amx.h", CSRC / "checks.h", CSRC / "floats.h"]
 # The x86-64 levels (GCC's -march names) an image ships, worst first, each with the flags /proc/cpuinfo
 # must show for a CPU to run it; "native" is this CPU's own.
 _V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
@@ -355,6 +356,7 @@ class CpuBackend(TorchBackend):
                 meta.query_start[n:] - n,
             ),
             *(layer.scale, layer.window, layer.softcap, sinks),
+            self._amx,
         )
         return out
 

@@ -10,7 +10,9 @@ costs the child, and the worker goes on without the feature, saying why.
 - `avx512_bf16` (vdpbf16ps): the few-row GEMM's bfloat16 dot products. Its probe also runs that GEMM both
   ways on random inputs, so that a path this machine cannot check otherwise is checked where it runs.
 - `avx512_vnni` (vpdpbusd): with `avx512_bf16`, int8 weights times activations quantized to int8 per row.
-- `amx_bf16`: oneDNN's bfloat16 GEMMs (torch's F.linear), which use the tiles where it finds them.
+- `amx_bf16`: oneDNN's bfloat16 GEMMs (torch's F.linear), which use the tiles where it finds them, and the
+  prefill attention's products (paged_prefill.cpp).
+- `amx_int8`: with `avx512_vnni`, the int8 GEMM of a prefill's many rows (packed_linear.cpp).
 
 Either makes bfloat16 this CPU's best dtype (`best_dtype`); without both, float32 is faster, since a
 bfloat16 GEMM is then widened to float32 anyway.
@@ -29,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FEATURES = ("avx512_bf16", "avx512_vnni", "amx_bf16")
+FEATURES = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 PROBE_TIMEOUT_S = (
     120  # a child that imports torch and loads the ops; a hung instruction must not hang a start
 )
@@ -47,6 +49,7 @@ class CpuFeatures:
     avx512_bf16: Feature
     avx512_vnni: Feature
     amx_bf16: Feature
+    amx_int8: Feature
 
     @property
     def native_bf16(self) -> bool:

@@ -252,7 +252,14 @@ def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:
             OPS.paged_decode(query, kv, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None, True)
     starts, lens = torch.tensor([0, 1]), torch.tensor([3])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        OPS.paged_prefill(q, kv_layer, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None)
+        OPS.paged_prefill(q, kv_layer, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None, False)
+    if cpu_features().amx_bf16.usable:  # the keys copied for AMX's tiles: bfloat16, a head of 32
+        kv, query = (
+            torch.zeros(2, 4, 8, 1, 32, dtype=torch.bfloat16),
+            torch.zeros(1, 1, 32, dtype=torch.bfloat16),
+        )
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            OPS.paged_prefill(query, kv, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None, True)
 
 
 @pytest.mark.parametrize(
@@ -272,7 +279,9 @@ def test_prefill_lengths_that_do_not_fit_are_refused(
     tables = torch.ones(len(lens), 1, dtype=torch.int64)
     assert OPS is not None
     with pytest.raises(RuntimeError, match=message):
-        OPS.paged_prefill(q, kv_layer, tables, torch.tensor(lens), torch.tensor(starts), 1.0, 0, 0.0, None)
+        OPS.paged_prefill(
+            q, kv_layer, tables, torch.tensor(lens), torch.tensor(starts), 1.0, 0, 0.0, None, False
+        )
 
 
 def test_one_sequence_alone_splits_its_heads_across_threads() -> None:

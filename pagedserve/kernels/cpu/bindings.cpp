@@ -11,7 +11,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
                            std::optional<torch::Tensor> sinks, bool dot_bf16);
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
                             torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
-                            double softcap, std::optional<torch::Tensor> sinks);
+                            double softcap, std::optional<torch::Tensor> sinks, bool amx);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                    std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,

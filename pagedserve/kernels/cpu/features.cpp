@@ -11,8 +11,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 namespace {
 
@@ -41,37 +41,47 @@ __attribute__((target("avx512f,avx512vnni"))) bool avx512_vnni() {
   return true;
 }
 
-// AMX: the kernel must grant this process the tiles' state (Linux 5.16+), then one tile product of bf16
-// pairs: C[16 x 16] = A[16 x 32] B[16 pairs x 16 x 2], each sum 32 * 1 * 2.
-constexpr int kArchRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-__attribute__((target("amx-tile,amx-bf16"))) bool amx_bf16() {
-  TORCH_CHECK(syscall(SYS_arch_prctl, kArchRequestPermission, kTileData) == 0,
-              "the kernel does not grant this process AMX's tile state");
-  TileConfig config;
-  for (int tile = 0; tile < 3; ++tile) {
-    config.rows[tile] = 16;
-    config.bytes_per_row[tile] = 64;
-  }
+// AMX: the kernel must grant this process the tiles' state, then one tile product of bf16 pairs:
+// C[16 x 16] = A[16 x 32] B[16 pairs x 16 x 2], each sum 32 * 1 * 2.
+AMX_TARGET bool amx_bf16() {
+  TORCH_CHECK(pagedserve::amx::request_tiles(), "the kernel does not grant this process AMX's tile state");
   alignas(64) uint16_t a[16 * 32], b[16 * 32];
   alignas(64) float c[16 * 16];
   std::fill_n(a, 16 * 32, kOne);
   std::fill_n(b, 16 * 32, kTwo);
-  _tile_loadconfig(&config);
-  _tile_zero(0);
-  _tile_loadd(1, a, 64);
-  _tile_loadd(2, b, 64);
-  _tile_dpbf16ps(0, 1, 2);
-  _tile_stored(0, c, 64);
-  _tile_release();
+  {
+    pagedserve::amx::Tiles tiles(3);
+    _tile_zero(0);
+    _tile_loadd(1, a, 64);
+    _tile_loadd(2, b, 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_stored(0, c, 64);
+  }
   for (const float v : c) {
     if (v != 64.0f) return false;
+  }
+  return true;
+}
+
+// AMX-INT8: one tile product of unsigned by signed bytes, C[16 x 16] = A[16 x 64] B[16 fours x 16 x 4], each
+// sum 64 * 200 * -3.
+AMX_TARGET bool amx_int8() {
+  TORCH_CHECK(pagedserve::amx::request_tiles(), "the kernel does not grant this process AMX's tile state");
+  alignas(64) uint8_t a[16 * 64];
+  alignas(64) int8_t b[16 * 64];
+  alignas(64) int32_t c[16 * 16];
+  std::fill_n(a, 16 * 64, uint8_t{200});
+  std::fill_n(b, 16 * 64, int8_t{-3});
+  {
+    pagedserve::amx::Tiles tiles(3);
+    _tile_zero(0);
+    _tile_loadd(1, a, 64);
+    _tile_loadd(2, b, 64);
+    _tile_dpbusd(0, 1, 2);
+    _tile_stored(0, c, 64);
+  }
+  for (const int32_t v : c) {
+    if (v != 64 * 200 * -3) return false;
   }
   return true;
 }
@@ -79,14 +89,16 @@ __attribute__((target("amx-tile,amx-bf16"))) bool amx_bf16() {
 }  // namespace
 #endif
 
-// Whether feature (avx512_bf16, avx512_vnni or amx_bf16) ran and gave the right answer; an unknown name is a ValueError.
+// Whether feature (avx512_bf16, avx512_vnni, amx_bf16 or amx_int8) ran and gave the right answer; an unknown name is a ValueError.
 bool probe_feature(const std::string& feature) {
 #if defined(__x86_64__)
   if (feature == "avx512_bf16") return avx512_bf16();
   if (feature == "avx512_vnni") return avx512_vnni();
   if (feature == "amx_bf16") return amx_bf16();
+  if (feature == "amx_int8") return amx_int8();
 #endif
-  TORCH_CHECK_VALUE(feature == "avx512_bf16" || feature == "avx512_vnni" || feature == "amx_bf16", "no probe for ",
-                    feature);
+  TORCH_CHECK_VALUE(feature == "avx512_bf16" || feature == "avx512_vnni" || feature == "amx_bf16" ||
+                        feature == "amx_int8",
+                    "no probe for ", feature);
   return false;  // not an x86-64 CPU
 }

@@ -11,6 +11,9 @@
 // their pages and widened to float32; K is laid out transposed, so that a row's scores against the tile are a
 // few vectors of FMAs with no horizontal sums. The tasks go to the threads by their cost (a causal chunk's
 // last block sees the most keys), longest first.
+//
+// Where AMX runs and the pool is bfloat16, AmxBlock takes the tasks instead: its two products run on the
+// tiles, on each (sequence, KV head)'s keys copied once into their operands' layout (below).
 
 #include <torch/extension.h>
 
@@ -18,16 +21,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <optional>
 #include <vector>
 
+#include "amx.h"
 #include "checks.h"
 #include "floats.h"
 
 namespace {
 
-using pagedserve::kLanes, pagedserve::load, pagedserve::store, pagedserve::to_float, pagedserve::Vec;
+using pagedserve::bf16, pagedserve::kLanes, pagedserve::load, pagedserve::store, pagedserve::to_float, pagedserve::Vec;
+#if defined(__x86_64__)
+namespace amx = pagedserve::amx;
+#endif
 
 constexpr int64_t kQueryBlock = 16;          // tokens a task
 constexpr int64_t kKeyVecs = 4;              // a key tile's vectors of scores a row
@@ -198,6 +206,224 @@ class Block {
   std::vector<float> q_, acc_, top_, sum_, kt_, vt_;
 };
 
+#if defined(__x86_64__)
+// With AMX and a bfloat16 pool, the two products of each key tile run on the tiles (amx.h): S = Q K^T and
+// acc += P V, in float32 sums of bfloat16 products, with P rounded to bfloat16 as FlashAttention does on a
+// GPU. A tile product takes its right operand with pairs of consecutive k side by side, so each (sequence,
+// KV head)'s keys are first copied once into that form (Operands): K as [D / 2, keys, 2] (pairs of dims)
+// and V as [keys / 2, D, 2] (pairs of keys), every key outside [first key seen, length) zero, so that a slot
+// never read stays unread. The softmax runs on AVX-512 between the products, up to kAmxKeys keys a row at a
+// time.
+constexpr int64_t kAmxKeys = 128;  // keys a step: four of P's tiles of 32 columns
+
+// e^x for x <= 0 (and lanes of -inf-like values): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
+// r^6 (relative error below 2e-7), times 2^n.
+AMX_TARGET inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Operands {
+  std::vector<uint16_t> k, v;  // bfloat16 bits: [D / 2, keys, 2] and [keys / 2, D, 2]
+  int64_t base = 0, keys = 0;  // key positions [base, base + keys), base a multiple of kAmxKeys
+};
+
+// Sequence positions [lo, len) of KV head h into o; the rest of o's keys zero.
+void gather_operands(const bf16* k_data, const bf16* v_data, const int64_t* table, const Shape& s, int64_t lo,
+                     int64_t len, int64_t h, Operands& o) {
+  const int64_t dim = s.dim, row_stride = s.kv_heads * dim;
+  o.base = lo / kAmxKeys * kAmxKeys;
+  o.keys = (len - o.base + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  o.k.assign(dim * o.keys, 0);
+  o.v.assign(o.keys * dim, 0);
+  for (int64_t pos = lo; pos < len; ++pos) {
+    const int64_t page = table[pos / s.page_size];
+    TORCH_CHECK(page >= 0 && page < s.pages, "block_tables holds page ", page, ", outside the pool");
+    const int64_t at = (page * s.page_size + pos % s.page_size) * row_stride + h * dim, j = pos - o.base;
+    const bf16* key = k_data + at;
+    const bf16* value = v_data + at;
+    for (int64_t d = 0; d < dim; ++d) o.k[((d / 2) * o.keys + j) * 2 + d % 2] = key[d].x;
+    for (int64_t d = 0; d < dim; ++d) o.v[((j / 2) * dim + d) * 2 + j % 2] = value[d].x;
+  }
+}
+
+class AmxBlock {
+ public:
+  explicit AmxBlock(const Shape& shape) : s_(shape) {}
+
+  // One task, as Block::run, its keys from o; the thread has configured 7 tiles (amx::Tiles).
+  AMX_TARGET void run(const bf16* q, const Operands& o, int64_t cached, const Task& task, const float* sinks,
+                      bf16* out) {
+    const int64_t group = s_.group, rows = task.count * group, dim = s_.dim;
+    const int64_t padded = (rows + amx::kRows - 1) / amx::kRows * amx::kRows, token_stride = s_.q_heads * dim;
+    q_.assign(padded * dim, 0);
+    acc_.assign(padded * dim, 0.0f);
+    probs_.assign(padded * kAmxKeys, 0);  // rows past `rows` stay zero
+    scores_.resize(padded * kAmxKeys);
+    top_.resize(rows);
+    sum_.resize(rows);
+    for (int64_t i = 0; i < task.count; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = i * group + g;
+        std::memcpy(q_.data() + r * dim, q + i * token_stride + g * dim, dim * sizeof(bf16));
+        top_[r] = sinks ? sinks[g] : -1e30f;
+        sum_[r] = sinks ? 1.0f : 0.0f;
+      }
+    }
+    const int64_t first_pos = cached + task.first, last_pos = first_pos + task.count - 1;
+    for (int64_t k0 = first_key(first_pos, s_.window) / kAmxKeys * kAmxKeys; k0 <= last_pos; k0 += kAmxKeys) {
+      const int64_t keys = std::min(kAmxKeys, last_pos + 1 - k0);  // those any row of the task sees
+      score(o, k0 - o.base, keys, padded);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t p = first_pos + r / group;
+        const int64_t lo = std::max<int64_t>(first_key(p, s_.window) - k0, 0), hi = std::min(p + 1 - k0, keys);
+        update(r, lo, hi);
+      }
+      accumulate(o, k0 - o.base, keys, padded);
+    }
+    for (int64_t i = 0; i < task.count; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = i * group + g;
+        const float inv = 1.0f / sum_[r];
+        bf16* to = out + i * token_stride + g * dim;
+        for (int64_t d = 0; d < dim; ++d) to[d] = pagedserve::from_float<bf16>(acc_[r * dim + d] * inv);
+      }
+    }
+  }
+
+ private:
+  // scores_ = Q K^T for the `keys` keys at o's index j0 on: 64 keys at a time in tiles 0-3 (a chain of sums
+  // each, so that one product need not wait on the last), Q in tile 4, K in 5 and 6.
+  AMX_TARGET void score(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+    const int64_t dim = s_.dim;
+    for (int64_t r0 = 0; r0 < padded; r0 += amx::kRows) {
+      for (int64_t c = 0; c < keys; c += 64) {
+        const int64_t chunks = std::min<int64_t>(4, (keys - c + 15) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+          _tile_loadd(4, q_.data() + r0 * dim + d0, dim * 2);
+          const uint16_t* k = o.k.data() + ((d0 / 2) * o.keys + j0 + c) * 2;
+          _tile_loadd(5, k, o.keys * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          if (chunks > 1) {
+            _tile_loadd(6, k + 32, o.keys * 4);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (chunks > 2) {
+            _tile_loadd(5, k + 64, o.keys * 4);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (chunks > 3) {
+            _tile_loadd(6, k + 96, o.keys * 4);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
+        float* to = scores_.data() + r0 * kAmxKeys + c;
+        _tile_stored(0, to, kAmxKeys * 4);
+        if (chunks > 1) _tile_stored(1, to + 16, kAmxKeys * 4);
+        if (chunks > 2) _tile_stored(2, to + 32, kAmxKeys * 4);
+        if (chunks > 3) _tile_stored(3, to + 48, kAmxKeys * 4);
+      }
+    }
+  }
+
+  // Row r's running max, sum and output rescaled after its scores against the step's keys [lo, hi), and its
+  // weights in probs_ (zero outside [lo, hi)), 16 keys a vector.
+  AMX_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
+    uint16_t* probs = probs_.data() + r * kAmxKeys;
+    std::fill_n(probs, kAmxKeys, 0);
+    if (lo >= hi) return;  // this token sees none of the step's keys
+    float* row = scores_.data() + r * kAmxKeys;
+    if (s_.softcap > 0.0f) {
+      for (int64_t j = lo; j < hi; ++j) row[j] = s_.softcap * std::tanh(row[j] * s_.scale / s_.softcap) / s_.scale;
+    }
+    const auto seen = [&](int64_t j) {  // the lanes of keys [j, j + 16) in [lo, hi)
+      const int64_t from = std::clamp<int64_t>(lo - j, 0, 16), to = std::clamp<int64_t>(hi - j, 0, 16);
+      return static_cast<__mmask16>((1u << to) - (1u << from));
+    };
+    const int64_t first = lo / 16 * 16;
+    __m512 top = _mm512_set1_ps(-1e30f);
+    for (int64_t j = first; j < hi; j += 16) top = _mm512_mask_max_ps(top, seen(j), top, _mm512_loadu_ps(row + j));
+    const float was = top_[r], now = std::max(was, _mm512_reduce_max_ps(top) * s_.scale);
+    const __m512 scale = _mm512_set1_ps(s_.scale), shift = _mm512_set1_ps(now);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = first; j < hi; j += 16) {
+      const __m512 shifted = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale, shift);
+      const __m512 e = _mm512_maskz_mov_ps(seen(j), exp_nonpositive(shifted));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    const float rescale = std::exp(was - now);
+    top_[r] = now;
+    sum_[r] = sum_[r] * rescale + _mm512_reduce_add_ps(sum);
+    if (rescale != 1.0f) {
+      float* acc = acc_.data() + r * s_.dim;
+      for (int64_t d = 0; d < s_.dim; d += 16) {
+        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(rescale)));
+      }
+    }
+  }
+
+  // acc_ += probs_ V for the `keys` keys at o's index j0 on (32 a step): 64 columns of the sums at a time in
+  // tiles 0-3, P in tile 4, V in 5 and 6.
+  AMX_TARGET void accumulate(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+    const int64_t dim = s_.dim;
+    for (int64_t r0 = 0; r0 < padded; r0 += amx::kRows) {
+      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int64_t blocks = std::min<int64_t>(4, (dim - d0) / 16);
+        float* acc = acc_.data() + r0 * dim + d0;
+        _tile_loadd(0, acc, dim * 4);
+        _tile_loadd(1, acc + 16, dim * 4);
+        if (blocks > 2) {
+          _tile_loadd(2, acc + 32, dim * 4);
+          _tile_loadd(3, acc + 48, dim * 4);
+        }
+        for (int64_t c = 0; c < keys; c += 32) {
+          _tile_loadd(4, probs_.data() + r0 * kAmxKeys + c, kAmxKeys * 2);
+          const uint16_t* v = o.v.data() + ((j0 + c) / 2 * dim + d0) * 2;
+          _tile_loadd(5, v, dim * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, v + 32, dim * 4);
+          _tile_dpbf16ps(1, 4, 6);
+          if (blocks > 2) {
+            _tile_loadd(5, v + 64, dim * 4);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, v + 96, dim * 4);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
+        _tile_stored(0, acc, dim * 4);
+        _tile_stored(1, acc + 16, dim * 4);
+        if (blocks > 2) {
+          _tile_stored(2, acc + 32, dim * 4);
+          _tile_stored(3, acc + 48, dim * 4);
+        }
+      }
+    }
+  }
+
+  const Shape s_;
+  std::vector<uint16_t> q_, probs_;
+  std::vector<float> acc_, scores_, top_, sum_;
+};
+
+// Whether the AMX path takes this layer: a bfloat16 pool, heads a whole number of Q's 32-column tiles.
+bool amx_takes(const torch::Tensor& kv_layer, int64_t dim) {
+  return kv_layer.scalar_type() == torch::kBFloat16 && dim % 32 == 0 && amx::request_tiles();
+}
+#endif
+
 void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables, const torch::Tensor& lens,
            const torch::Tensor& starts, const std::optional<torch::Tensor>& sinks) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
@@ -218,7 +444,7 @@ void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor&
 
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
                             torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
-                            double softcap, std::optional<torch::Tensor> sinks) {
+                            double softcap, std::optional<torch::Tensor> sinks, bool amx) {
   check(q, kv_layer, block_tables, seq_lens, query_start, sinks);
   const int64_t seqs = block_tables.size(0), width = block_tables.size(1);
   const Shape shape{kv_layer.size(2), kv_layer.size(3), kv_layer.size(1), q.size(2), q.size(1) / kv_layer.size(3),
@@ -247,12 +473,45 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tens
     share[least].push_back(task);
     load_of[least] += task.cost;
   }
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const float* sink_data = sinks ? sinks->data_ptr<float>() : nullptr;
+  const auto offset_of = [&](const Task& task) {
+    return ((start_of[task.seq] + task.first) * shape.q_heads + task.head * shape.group) * shape.dim;
+  };
+#if defined(__x86_64__)
+  if (amx && amx_takes(kv_layer, shape.dim)) {  // q is bfloat16 as the pool is, and so is the output
+    auto out = torch::empty_like(q);
+    const bf16* q_data = q.data_ptr<bf16>();
+    bf16* out_data = out.data_ptr<bf16>();
+    const bf16* k_data = kv_layer.data_ptr<bf16>();
+    const bf16* v_data = k_data + shape.pages * shape.page_size * shape.kv_heads * shape.dim;
+    std::vector<Operands> operands(seqs * shape.kv_heads);  // [sequence, KV head]
+    at::parallel_for(0, seqs * shape.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t seq = i / shape.kv_heads, n = start_of[seq + 1] - start_of[seq], cached = len_of[seq] - n;
+        if (n == 0) continue;
+        gather_operands(k_data, v_data, tables + seq * width, shape, first_key(cached, window), len_of[seq],
+                        i % shape.kv_heads, operands[i]);
+      }
+    });
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) AMX_TARGET {
+      const amx::Tiles tiles(7);
+      AmxBlock block(shape);
+      for (int64_t thread = begin; thread < end; ++thread) {
+        for (const Task& task : share[thread]) {
+          const int64_t n = start_of[task.seq + 1] - start_of[task.seq];
+          block.run(q_data + offset_of(task), operands[task.seq * shape.kv_heads + task.head], len_of[task.seq] - n,
+                    task, sink_data ? sink_data + task.head * shape.group : nullptr, out_data + offset_of(task));
+        }
+      }
+    });
+    return out;
+  }
+#endif
   const auto qf = q.to(torch::kFloat32).contiguous();
   auto out = torch::empty_like(qf);
   const float* q_data = qf.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const float* sink_data = sinks ? sinks->data_ptr<float>() : nullptr;
   pagedserve::with_float_type(kv_layer, "kv_layer", [&](auto tag) {
     using T = decltype(tag);
     const T* k_data = kv_layer.data_ptr<T>();
@@ -262,9 +521,8 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tens
         auto run_all = [&](auto block) {
           for (const Task& task : share[thread]) {
             const int64_t n = start_of[task.seq + 1] - start_of[task.seq];
-            const int64_t offset = ((start_of[task.seq] + task.first) * shape.q_heads + task.head * shape.group) * shape.dim;
-            block.run(q_data + offset, k_data, v_data, tables + task.seq * width, len_of[task.seq] - n, task,
-                      sink_data ? sink_data + task.head * shape.group : nullptr, out_data + offset);
+            block.run(q_data + offset_of(task), k_data, v_data, tables + task.seq * width, len_of[task.seq] - n,
+                      task, sink_data ? sink_data + task.head * shape.group : nullptr, out_data + offset_of(task));
           }
         };
         if (shape.dim == 64) {
