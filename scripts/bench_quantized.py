@@ -4,7 +4,8 @@
 
 - `int8, bfloat16 x`: what `--quantization int8` runs on a bfloat16 model where this CPU runs vdpbf16ps and
   vpdpbusd (pagedserve/kernels/cpu_backend.py): W8A8 in packed_linear.cpp, each activation row rounded to
-  int8 with its own scale and the products summed in int32 by vpdpbusd;
+  int8 with its own scale and the products summed in int32 by vpdpbusd, or past AMX_INT8_SKINNY_ROWS rows
+  by AMX's tiles where they run; `vpdpbusd only` is the same kernel kept off the tiles;
 - `int8, float32 x`: weight-only, the int8 weight widened to float32 in registers by skinny_linear up to
   QUANTIZED_SKINNY_ROWS rows, and dequantized for MKL above;
 - `torch._int_mm W8A8`: the same W8A8 arithmetic through torch (oneDNN where the CPU has VNNI or AMX-INT8),
@@ -32,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import QuantizedWeight  # noqa: E402
+from pagedserve.kernels import PackedWeight, QuantizedWeight  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.worker.models.quantized import quantize_int8  # noqa: E402
@@ -58,6 +59,11 @@ def w8a8(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return sums.float() * scale * weight.scale
 
 
+def vpdpbusd(ops: object, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """packed_linear's int8 x int8 product off AMX's tiles, at any number of rows."""
+    return ops.packed_linear(x, weight.data, weight.scale, weight.sums, None, weight.rows, False)  # type: ignore[attr-defined]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16,64,256,1024")
@@ -80,16 +86,19 @@ def main() -> None:
     for name, (ws, dtype) in columns.items():  # as the worker loads them, but the [N, K] column
         if name != "bfloat16 [N, K]":
             columns[name] = ([backend.prepare_linear(w, dtype) for w in ws], dtype)
-    print(f"| rows | {' | '.join(f'{name} ms' for name in columns)} | torch._int_mm W8A8 ms |")
-    print(f"|---|{'---|' * (len(columns) + 1)}")
+    packed = columns["int8, bfloat16 x"][0]
+    print(f"| rows | {' | '.join(f'{name} ms' for name in columns)} | vpdpbusd only ms | torch._int_mm W8A8 ms |")
+    print(f"|---|{'---|' * (len(columns) + 2)}")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=generator) for k in (576, 1536)}
         times = []
         for ws, dtype in columns.values():
             x = {k: v.to(dtype) for k, v in inputs.items()}
             times.append(seconds(lambda ws=ws, x=x: [backend.linear(x[w.shape[1]], w) for w in ws]))
-        both = seconds(lambda inputs=inputs: [w8a8(inputs[q.shape[1]], q) for q in quantized])
-        print(f"| {rows} | {' | '.join(f'{t * 1e3:.1f}' for t in times)} | {both * 1e3:.1f} |", flush=True)
+        halved = {k: v.bfloat16() for k, v in inputs.items()}
+        times.append(seconds(lambda x=halved: [vpdpbusd(ops, x[w.shape[1]], w) for w in packed]))
+        times.append(seconds(lambda inputs=inputs: [w8a8(inputs[q.shape[1]], q) for q in quantized]))
+        print(f"| {rows} | {' | '.join(f'{t * 1e3:.1f}' for t in times)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from pagedserve.kernels import PackedWeight, QuantizedWeight, Weight
-from pagedserve.kernels.cpu_backend import QUANTIZED_SKINNY_ROWS, CpuBackend, cpu_ops, pack_linear
+from pagedserve.kernels.cpu_backend import (
+    AMX_INT8_SKINNY_ROWS,
+    QUANTIZED_SKINNY_ROWS,
+    CpuBackend,
+    cpu_ops,
+    pack_linear,
+)
 from pagedserve.kernels.cpu_features import cpu_features
 from pagedserve.kernels.torch_ref import TorchBackend
 from services.worker.models.decoder import rotary_table
@@ -253,6 +259,30 @@ def test_packed_linear(backends: list[CpuBackend], rows: int, n: int, k: int, we
             torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7 * k**0.5)
 
 
+@pytest.mark.parametrize("rows", [17, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 64), (4099, 128), (7, 1536), (40, 100)], ids=str)
+def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
+    backends: list[CpuBackend], rows: int, n: int, k: int
+) -> None:
+    """Past AMX_INT8_SKINNY_ROWS rows an int8 x int8 product runs on AMX's tiles where this CPU runs them (and
+    K is a multiple of 64; else on vpdpbusd): the int32 sums are exact either way, so the outputs are equal,
+    for rows in blocks of 32 and not, outputs in groups of 32 and not, K of one step of 64 and many."""
+    found = cpu_features()
+    _, weight, bias = linear_case(torch.Generator().manual_seed(rows + n + k), rows, n, k, "int8-bfloat16")
+    prepared = backends[-1].prepare_linear(weight, torch.bfloat16)
+    if not (found.avx512_bf16.usable and found.avx512_vnni.usable):  # no int8 x int8 products here at all
+        assert not isinstance(prepared, PackedWeight)
+        return
+    assert isinstance(prepared, PackedWeight) and rows > AMX_INT8_SKINNY_ROWS
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    ops = cpu_ops()
+    for b in (None, bias.float()):
+        args = (x, prepared.data, prepared.scale, prepared.sums, b, n)
+        tiles, dots = ops.packed_linear(*args, True), ops.packed_linear(*args, False)
+        assert torch.equal(tiles, dots)
+        assert torch.equal(backends[-1].linear(x, prepared, b), tiles)
+
+
 def test_a_weight_of_odd_width_is_not_packed(backends: list[CpuBackend]) -> None:
     """vdpbf16ps takes pairs of k: a weight with an odd K stays [N, K] (for skinny_linear or oneDNN)."""
     _, weight, _ = linear_case(torch.Generator().manual_seed(3), 5, 40, 65, "bfloat16")
@@ -269,16 +299,16 @@ def test_packed_linear_refuses_what_it_cannot_multiply(backend: CpuBackend) -> N
     fours = pack_linear(quantized(torch.randn(40, 64), "int8"))
     pairs = pack_linear(torch.randn(40, 64).bfloat16())
     with pytest.raises(ValueError, match="an int8 weight needs its scale and its sums"):
-        ops.packed_linear(x, fours.data, fours.scale, None, None, 40)
+        ops.packed_linear(x, fours.data, fours.scale, None, None, 40, False)
     with pytest.raises(ValueError, match="a scale and sums go with an int8 weight only"):
-        ops.packed_linear(x, pairs.data, None, fours.sums, None, 40)
+        ops.packed_linear(x, pairs.data, None, fours.sums, None, 40, False)
     with pytest.raises(ValueError, match="int8 weight needs N > 0 and K a multiple of 4, not N 40 and K 66"):
-        ops.packed_linear(torch.randn(3, 66).bfloat16(), fours.data, fours.scale, fours.sums, None, 40)
+        ops.packed_linear(torch.randn(3, 66).bfloat16(), fours.data, fours.scale, fours.sums, None, 40, False)
     with pytest.raises(ValueError, match="packed must be"):
-        ops.packed_linear(x, fours.data[0], fours.scale, fours.sums, None, 40)
+        ops.packed_linear(x, fours.data[0], fours.scale, fours.sums, None, 40, False)
     wide = pack_linear(QuantizedWeight(torch.ones(32, 1 << 16, dtype=torch.int8), torch.ones(32)))
     with pytest.raises(ValueError, match="K below 65536"):
-        ops.packed_linear(torch.ones(1, 1 << 16).bfloat16(), wide.data, wide.scale, wide.sums, None, 32)
+        ops.packed_linear(torch.ones(1, 1 << 16).bfloat16(), wide.data, wide.scale, wide.sums, None, 32, False)
 
 
 def test_every_float8_value_widens_exactly(backend: CpuBackend) -> None:

@@ -21,7 +21,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional
                             std::optional<torch::Tensor> bias);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> scale,
                             std::optional<torch::Tensor> w_sums, std::optional<torch::Tensor> bias,
-                            int64_t n_len);
+                            int64_t n_len, bool amx);
 torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Tensor> router_bias,
                   torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
                   std::optional<torch::Tensor> down_bias, int64_t top_k, bool renormalize, bool softmax_of_top,

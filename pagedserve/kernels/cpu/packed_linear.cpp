@@ -24,12 +24,16 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "checks.h"
 #include "floats.h"
 
 namespace {
 
 using pagedserve::bf16;
+#if defined(__x86_64__)
+namespace amx = pagedserve::amx;
+#endif
 
 constexpr int64_t kGroup = 32;    // outputs a group packs: two 16-lane accumulators
 constexpr int64_t kTileRows = 12;  // x rows a tile: 24 accumulators of the 32 vector registers
@@ -201,6 +205,58 @@ void run(const Operands& o, int64_t m_len, int64_t groups) {
   });
 }
 
+// With AMX-INT8, for a prefill's many rows: 32 rows of x against a group's 32 outputs are four tiles of
+// int32 sums (tiles 0-3), each a product of x's rows 16 at a time (tiles 4 and 5: 64 k of unsigned bytes) by a
+// half of the group (tiles 6 and 7): a step of 4 k of the packing is a 64-byte row of either half, the steps
+// 128 bytes apart, which is the layout a tile's right operand takes. The sums end as vpdpbusd's do. x holds a
+// multiple of 32 rows (those past M unused) and K is a multiple of 64.
+constexpr int64_t kAmxRows = 32, kAmxK = 64;
+
+AMX_TARGET void amx_block(const Operands& o, const char* w, int64_t m0, int64_t m_end, int64_t g) {
+  const auto* x = static_cast<const uint8_t*>(o.x) + m0 * o.k_len;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < o.k_len; k += kAmxK, w += kAmxK / Int8Dot::kStep * kStepBytes) {
+    _tile_loadd(4, x + k, o.k_len);
+    _tile_loadd(5, x + amx::kRows * o.k_len + k, o.k_len);
+    _tile_loadd(6, w, kStepBytes);
+    _tile_loadd(7, w + 64, kStepBytes);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+  alignas(64) int32_t sums[kAmxRows][kGroup];
+  _tile_stored(0, &sums[0][0], kGroup * 4);
+  _tile_stored(1, &sums[0][16], kGroup * 4);
+  _tile_stored(2, &sums[16][0], kGroup * 4);
+  _tile_stored(3, &sums[16][16], kGroup * 4);
+  for (int64_t i = 0; i < std::min(kAmxRows, m_end - m0); ++i) {
+    Int8Dot::Acc acc[2];
+    std::memcpy(&acc[0], sums[i], sizeof acc[0]);
+    std::memcpy(&acc[1], sums[i] + 16, sizeof acc[1]);
+    store_both<Int8Dot>(o, m0 + i, g * kGroup, acc);
+  }
+}
+
+// As run, with blocks of 32 rows on the tiles; a work item is a group against 4 blocks.
+void run_amx(const Operands& o, int64_t m_len, int64_t groups) {
+  constexpr int64_t kStretch = 4;
+  const int64_t blocks = (m_len + kAmxRows - 1) / kAmxRows, stretches = (blocks + kStretch - 1) / kStretch;
+  const int64_t w_bytes = kStepBytes * (o.k_len / Int8Dot::kStep);  // a group's
+  at::parallel_for(0, groups * stretches, 1, [&](int64_t begin, int64_t end) AMX_TARGET {
+    const amx::Tiles tiles(8);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / stretches, first = (i % stretches) * kStretch;
+      for (int64_t b = first; b < std::min(first + kStretch, blocks); ++b) {
+        amx_block(o, static_cast<const char*>(o.w) + g * w_bytes, b * kAmxRows, m_len, g);
+      }
+    }
+  });
+}
+
 // x [M, K] bfloat16 as int8 per row, symmetric (scale = max |x| * (1 / 127), x * (127 / max |x|) rounded to
 // nearest even), stored offset by 128 as uint8: q [M, K]; scales [M].
 PACKED_TARGET void quantize_rows(const bf16* x, int64_t m_len, int64_t k_len, uint8_t* q, float* scales) {
@@ -235,7 +291,7 @@ PACKED_TARGET void quantize_rows(const bf16* x, int64_t m_len, int64_t k_len, ui
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> scale,
                             std::optional<torch::Tensor> w_sums, std::optional<torch::Tensor> bias,
-                            int64_t n_len) {
+                            int64_t n_len, bool amx) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
   check_cpu(x, "x", torch::kBFloat16);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
@@ -273,13 +329,20 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
   Operands o{xc.data_ptr<bf16>(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
              bf ? bf->data_ptr<float>() : nullptr, y.data_ptr<bf16>(), k_len, n_len};
   if (quantized) {
-    auto q = torch::empty({m_len, k_len}, x.options().dtype(torch::kUInt8));
+    // The tiles take x's rows 32 at a time: those past M are read, and their sums dropped.
+    const bool tiles = amx && k_len % kAmxK == 0 && amx::request_tiles();
+    const int64_t rows = tiles ? (m_len + kAmxRows - 1) / kAmxRows * kAmxRows : m_len;
+    auto q = torch::empty({rows, k_len}, x.options().dtype(torch::kUInt8));
     auto x_scale = torch::empty({m_len}, x.options().dtype(torch::kFloat32));
     quantize_rows(xc.data_ptr<bf16>(), m_len, k_len, q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
     o.x = q.data_ptr<uint8_t>();
     o.x_scale = x_scale.data_ptr<float>();
     o.w_sums = w_sums->data_ptr<int32_t>();
-    run<Int8Dot>(o, m_len, groups);
+    if (tiles) {
+      run_amx(o, m_len, groups);
+    } else {
+      run<Int8Dot>(o, m_len, groups);
+    }
   } else {
     run<Bf16Dot>(o, m_len, groups);
   }
