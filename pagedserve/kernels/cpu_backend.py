@@ -12,8 +12,8 @@ every operator.
 
 Where cpu_features.py saw vdpbf16ps run and the model computes in bfloat16, each int8 linear weight (where
 vpdpbusd runs too) and each bfloat16 one (where AMX does not) is packed at load for `packed_linear.cpp`,
-which serves every number of rows (an int8 one of more than AMX_INT8_SKINNY_ROWS on AMX's tiles, where they
-run). Otherwise GEMMs of a decode step's few rows stream their weight once
+which serves every number of rows (an int8 one of more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on
+AMX's tiles where they run). Otherwise GEMMs of a decode step's few rows stream their weight once
 through `skinny_linear.cpp`, widening bfloat16, int8 or float8 to float32 in registers, and more rows go to
 torch: oneDNN for bfloat16 on a CPU that runs it in
 hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or quantized weight widened to
@@ -254,6 +254,8 @@ class CpuBackend(TorchBackend):
         # rows and a third at 64, and less from 8 rows on (scripts/bench_quantized.py): bfloat16 weights
         # stay [N, K] there, for skinny_linear up to AMX_SKINNY_ROWS and oneDNN above.
         self._amx = features is not None and features.amx_bf16.usable
+        # The tile kernels run AVX512-BF16 (and VNNI for int8) between their tile products.
+        self._amx_attention = self._amx and self._dot_bf16
         self._amx_int8 = self._dot_int8 and features is not None and features.amx_int8.usable
         self._pack_bf16 = self._dot_bf16 and not self._amx
         self._native_bf16 = features is not None and features.native_bf16
@@ -310,7 +312,9 @@ class CpuBackend(TorchBackend):
             if x.dtype != torch.bfloat16:
                 return super().linear(x, weight, bias)
             tiles = self._amx_int8 and rows > AMX_INT8_SKINNY_ROWS
-            return self._ops.packed_linear(x, weight.data, weight.scale, weight.sums, bias, weight.rows, tiles)
+            return self._ops.packed_linear(
+                x, weight.data, weight.scale, weight.sums, bias, weight.rows, tiles
+            )
         if isinstance(weight, QuantizedWeight):
             if rows > QUANTIZED_SKINNY_ROWS:
                 return quantized_linear(x, weight, bias)
@@ -362,7 +366,7 @@ class CpuBackend(TorchBackend):
                 meta.query_start[n:] - n,
             ),
             *(layer.scale, layer.window, layer.softcap, sinks),
-            self._amx,
+            self._amx_attention,
         )
         return out
 

@@ -1,7 +1,8 @@
 """The C++ CPU attention (decode and prefill) and mixture of experts against the torch reference, on fresh
 random float32 and bfloat16 inputs: every slot the attention must not read (pages nobody owns, the rest of
 each sequence's last page, the keys before a window) holds NaN. bfloat16 inputs are compared with the
-reference's float32 math on the same values: the ops compute in float32 and round their output once."""
+reference's float32 math on the same values: the ops sum in float32 and round their output once (the AMX
+prefill also multiplies bfloat16 weights, P, as FlashAttention does), within bfloat16's tolerance."""
 
 from __future__ import annotations
 
@@ -151,6 +152,20 @@ def test_prefill_windows_softcaps_and_sinks_read_nothing_before_the_window(
     actuals, expected = run_attention(31 + page_size, [window + 5], chunks, page_size, 64, 3, dtype, layer)
     for actual in actuals:
         assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window"])
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_bfloat16_prefills_of_many_key_steps_match_the_reference(head_dim: int, windowed: bool) -> None:
+    """Where AMX runs, the prefill takes keys 128 at a time: chunks over several such steps, heads of one,
+    three and eight of its 32-column tiles, a window whose first key lies past the first step (so the keys
+    it copies start there), and a task of 16 tokens across a step's edge, whose rows before it see none of
+    the next step's keys."""
+    layer = LayerAttention(head_dim**-0.5, window=100 if windowed else 0)
+    chunks = [(150, 150), (0, 260), (290, 5)]
+    actuals, expected = run_attention(head_dim, [77], chunks, 32, head_dim, 3, torch.bfloat16, layer)
+    for actual in actuals:
+        assert_close(actual, expected, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ["plain", "window", "softcap", "sinks", "all"])

@@ -4,8 +4,9 @@
 // 16 x 64 bytes or 16 x 16 float32 or int32. A thread releases its tiles when done, so that oneDNN, which
 // configures its own, and the kernel's context switches find them free.
 //
-// These functions are compiled for AMX alone (a target attribute), so that a build for any x86-64 level has
-// them; the Python side calls them only where cpu_features.py saw AMX run.
+// The kernels that use them are compiled for AMX and AVX-512 (AMX_TARGET), so that a build for any x86-64
+// level has them; the Python side calls them only where cpu_features.py saw AMX run. An op asked to use the
+// tiles where the kernel refuses them raises: it is asked only where the probe ran them.
 
 #pragma once
 
@@ -37,10 +38,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0 .. count - 1 configured for this thread while it lives, each kRows x kRowBytes.
+// Tiles 0 .. count - 1 configured for this thread while it lives, each kRows x kRowBytes. Compiled for
+// amx-tile alone, so that features.cpp's probes, which must not run AVX-512 on a CPU without it, can use it.
 class Tiles {
  public:
-  AMX_TARGET explicit Tiles(int count) {
+  __attribute__((target("amx-tile"))) explicit Tiles(int count) {
     TileConfig config;
     for (int tile = 0; tile < count; ++tile) {
       config.rows[tile] = kRows;
@@ -49,7 +51,7 @@ class Tiles {
     // Not _tile_loadconfig: GCC's declares that it reads 8 bytes of the config, and drops the stores past them.
     __asm__ volatile("ldtilecfg %0" : : "m"(config));
   }
-  AMX_TARGET ~Tiles() { _tile_release(); }
+  __attribute__((target("amx-tile"))) ~Tiles() { _tile_release(); }
   Tiles(const Tiles&) = delete;
   Tiles& operator=(const Tiles&) = delete;
 };

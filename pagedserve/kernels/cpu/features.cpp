@@ -43,7 +43,7 @@ __attribute__((target("avx512f,avx512vnni"))) bool avx512_vnni() {
 
 // AMX: the kernel must grant this process the tiles' state, then one tile product of bf16 pairs:
 // C[16 x 16] = A[16 x 32] B[16 pairs x 16 x 2], each sum 32 * 1 * 2.
-AMX_TARGET bool amx_bf16() {
+__attribute__((target("amx-tile,amx-bf16"))) bool amx_bf16() {
   TORCH_CHECK(pagedserve::amx::request_tiles(), "the kernel does not grant this process AMX's tile state");
   alignas(64) uint16_t a[16 * 32], b[16 * 32];
   alignas(64) float c[16 * 16];
@@ -65,7 +65,7 @@ AMX_TARGET bool amx_bf16() {
 
 // AMX-INT8: one tile product of unsigned by signed bytes, C[16 x 16] = A[16 x 64] B[16 fours x 16 x 4], each
 // sum 64 * 200 * -3.
-AMX_TARGET bool amx_int8() {
+__attribute__((target("amx-tile,amx-int8"))) bool amx_int8() {
   TORCH_CHECK(pagedserve::amx::request_tiles(), "the kernel does not grant this process AMX's tile state");
   alignas(64) uint8_t a[16 * 64];
   alignas(64) int8_t b[16 * 64];

@@ -329,10 +329,13 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
   Operands o{xc.data_ptr<bf16>(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
              bf ? bf->data_ptr<float>() : nullptr, y.data_ptr<bf16>(), k_len, n_len};
   if (quantized) {
-    // The tiles take x's rows 32 at a time: those past M are read, and their sums dropped.
-    const bool tiles = amx && k_len % kAmxK == 0 && amx::request_tiles();
+    // The tiles take x's rows 32 at a time: those past M are read (zeros), and their sums dropped.
+    const bool tiles = amx && k_len % kAmxK == 0;
+    TORCH_CHECK(!tiles || amx::request_tiles(),
+                "AMX's tiles were asked for, but the kernel does not grant this process them");
     const int64_t rows = tiles ? (m_len + kAmxRows - 1) / kAmxRows * kAmxRows : m_len;
     auto q = torch::empty({rows, k_len}, x.options().dtype(torch::kUInt8));
+    q.narrow(0, m_len, rows - m_len).zero_();
     auto x_scale = torch::empty({m_len}, x.options().dtype(torch::kFloat32));
     quantize_rows(xc.data_ptr<bf16>(), m_len, k_len, q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
     o.x = q.data_ptr<uint8_t>();

@@ -1,6 +1,7 @@
 // Paged prefill attention on the CPU: each sequence's chunk of new query tokens attends causally to its
 // cached prefix and to itself, reading K and V where they lie in the pool's pages, in float32 whatever the
-// pool's dtype, in the manner of FlashAttention: a running max and sum a query row, so no [n, L] score matrix.
+// pool's dtype (but for the AMX path below, whose products take bfloat16), in the manner of FlashAttention: a
+// running max and sum a query row, so no [n, L] score matrix.
 //
 // q [N, Hq, D]: the chunks one after another, sequence s's rows q[query_start[s]:query_start[s + 1]], at the
 // positions seq_lens[s] - n_s .. seq_lens[s] - 1. kv_layer [2, P, B, Hkv, D], block_tables [S, W], seq_lens
@@ -420,7 +421,9 @@ class AmxBlock {
 
 // Whether the AMX path takes this layer: a bfloat16 pool, heads a whole number of Q's 32-column tiles.
 bool amx_takes(const torch::Tensor& kv_layer, int64_t dim) {
-  return kv_layer.scalar_type() == torch::kBFloat16 && dim % 32 == 0 && amx::request_tiles();
+  if (kv_layer.scalar_type() != torch::kBFloat16 || dim % 32 != 0) return false;
+  TORCH_CHECK(amx::request_tiles(), "AMX's tiles were asked for, but the kernel does not grant this process them");
+  return true;
 }
 #endif
 
