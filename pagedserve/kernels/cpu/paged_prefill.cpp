@@ -209,12 +209,16 @@ class Block {
 
 #if defined(__x86_64__)
 // With AMX and a bfloat16 pool, the two products of each key tile run on the tiles (amx.h): S = Q K^T and
-// acc += P V, in float32 sums of bfloat16 products, with P rounded to bfloat16 as FlashAttention does on a
-// GPU. A tile product takes its right operand with pairs of consecutive k side by side, so each (sequence,
-// KV head)'s keys are first copied once into that form (Operands): K as [D / 2, keys, 2] (pairs of dims)
-// and V as [keys / 2, D, 2] (pairs of keys), every key outside [first key seen, length) zero, so that a slot
-// never read stays unread. The softmax runs on AVX-512 between the products, up to kAmxKeys keys a row at a
-// time.
+// acc += P V, in float32 sums of bfloat16 products. Q, K and V are bfloat16 already, so only P would round:
+// it is split into a bfloat16 and the bfloat16 of what that leaves (P = hi + lo to about 16 bits), and both
+// halves are multiplied, so that the output is what the float32 path computes, to float32's rounding. (With P
+// rounded once, as FlashAttention does on a GPU, a build's last bits moved SmolLM2's first token at a near-tie
+// of its chat prompt, 'The' -1.88 against 'L' -1.97 in float32.)
+//
+// A tile product takes its right operand with pairs of consecutive k side by side, so each (sequence, KV
+// head)'s keys are first copied once into that form (Operands): K as [D / 2, keys, 2] (pairs of dims) and V
+// as [keys / 2, D, 2] (pairs of keys), every key outside [first key seen, length) zero, so that a slot never
+// read stays unread. The softmax runs on AVX-512 between the products, up to kAmxKeys keys a row at a time.
 constexpr int64_t kAmxKeys = 128;  // keys a step: four of P's tiles of 32 columns
 
 // e^x for x <= 0 (and lanes of -inf-like values): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
@@ -260,14 +264,14 @@ class AmxBlock {
  public:
   explicit AmxBlock(const Shape& shape) : s_(shape) {}
 
-  // One task, as Block::run, its keys from o; the thread has configured 7 tiles (amx::Tiles).
+  // One task, as Block::run, its keys from o; the thread has configured 8 tiles (amx::Tiles).
   AMX_TARGET void run(const bf16* q, const Operands& o, int64_t cached, const Task& task, const float* sinks,
                       bf16* out) {
     const int64_t group = s_.group, rows = task.count * group, dim = s_.dim;
     const int64_t padded = (rows + amx::kRows - 1) / amx::kRows * amx::kRows, token_stride = s_.q_heads * dim;
     q_.assign(padded * dim, 0);
     acc_.assign(padded * dim, 0.0f);
-    probs_.assign(padded * kAmxKeys, 0);  // rows past `rows` stay zero
+    probs_.assign(2 * padded * kAmxKeys, 0);  // P's high halves, then its low ones; rows past `rows` stay zero
     scores_.resize(padded * kAmxKeys);
     top_.resize(rows);
     sum_.resize(rows);
@@ -340,10 +344,12 @@ class AmxBlock {
   }
 
   // Row r's running max, sum and output rescaled after its scores against the step's keys [lo, hi), and its
-  // weights in probs_ (zero outside [lo, hi)), 16 keys a vector.
+  // weights in probs_ as their two halves (zero outside [lo, hi)), 16 keys a vector.
   AMX_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
-    uint16_t* probs = probs_.data() + r * kAmxKeys;
-    std::fill_n(probs, kAmxKeys, 0);
+    uint16_t* high = probs_.data() + r * kAmxKeys;
+    uint16_t* low = high + probs_.size() / 2;
+    std::fill_n(high, kAmxKeys, 0);
+    std::fill_n(low, kAmxKeys, 0);
     if (lo >= hi) return;  // this token sees none of the step's keys
     float* row = scores_.data() + r * kAmxKeys;
     if (s_.softcap > 0.0f) {
@@ -363,7 +369,10 @@ class AmxBlock {
       const __m512 shifted = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale, shift);
       const __m512 e = _mm512_maskz_mov_ps(seen(j), exp_nonpositive(shifted));
       sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + j), (__m256i)_mm512_cvtneps_pbh(e));
+      const __m256i e_high = (__m256i)_mm512_cvtneps_pbh(e);
+      const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e_high), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + j), e_high);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, widened)));
     }
     const float rescale = std::exp(was - now);
     top_[r] = now;
@@ -377,7 +386,7 @@ class AmxBlock {
   }
 
   // acc_ += probs_ V for the `keys` keys at o's index j0 on (32 a step): 64 columns of the sums at a time in
-  // tiles 0-3, P in tile 4, V in 5 and 6.
+  // tiles 0-3, P's high half in tile 4 and its low half in 7, V in 5 and 6.
   AMX_TARGET void accumulate(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
     const int64_t dim = s_.dim;
     for (int64_t r0 = 0; r0 < padded; r0 += amx::kRows) {
@@ -392,16 +401,21 @@ class AmxBlock {
         }
         for (int64_t c = 0; c < keys; c += 32) {
           _tile_loadd(4, probs_.data() + r0 * kAmxKeys + c, kAmxKeys * 2);
+          _tile_loadd(7, probs_.data() + probs_.size() / 2 + r0 * kAmxKeys + c, kAmxKeys * 2);
           const uint16_t* v = o.v.data() + ((j0 + c) / 2 * dim + d0) * 2;
           _tile_loadd(5, v, dim * 4);
           _tile_dpbf16ps(0, 4, 5);
+          _tile_dpbf16ps(0, 7, 5);
           _tile_loadd(6, v + 32, dim * 4);
           _tile_dpbf16ps(1, 4, 6);
+          _tile_dpbf16ps(1, 7, 6);
           if (blocks > 2) {
             _tile_loadd(5, v + 64, dim * 4);
             _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(2, 7, 5);
             _tile_loadd(6, v + 96, dim * 4);
             _tile_dpbf16ps(3, 4, 6);
+            _tile_dpbf16ps(3, 7, 6);
           }
         }
         _tile_stored(0, acc, dim * 4);
@@ -498,7 +512,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tens
       }
     });
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) AMX_TARGET {
-      const amx::Tiles tiles(7);
+      const amx::Tiles tiles(8);
       AmxBlock block(shape);
       for (int64_t thread = begin; thread < end; ++thread) {
         for (const Task& task : share[thread]) {
