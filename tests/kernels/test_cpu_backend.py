@@ -168,6 +168,31 @@ def test_bfloat16_prefills_of_many_key_steps_match_the_reference(head_dim: int, 
         assert_close(actual, expected, torch.bfloat16)
 
 
+def test_the_amx_prefill_rounds_as_the_float32_path_does() -> None:
+    """Where AMX runs, the prefill's tiles multiply P as two bfloat16 halves, so that its output before the
+    last rounding is the float32 path's to float32's: the same bfloat16 but where a value lies at a rounding
+    boundary (0.09% of them here), and never further than a step of bfloat16 at its row's scale. P rounded
+    once to bfloat16 was within bfloat16's tolerance, yet it moved a real model's greedy token at a near-tie;
+    emulated in float64 on these inputs, it changes 17% of the outputs."""
+    found = cpu_features()
+    if not (found.amx_bf16.usable and found.avx512_bf16.usable):  # no tiles here: one path only
+        assert not CpuBackend(OPS, found)._amx_attention
+        return
+    gen = generator(5)
+    page_size, head_dim = 32, 64
+    first, second = random_tables(gen, [600, 100], page_size)
+    tables = torch.tensor([first, second + (0,) * (len(first) - len(second))])
+    kv = random_pool(gen, page_size, head_dim, torch.bfloat16)[0] * 4  # scores of a few units, as a model's
+    q = fused_qkv(gen, 400, 3 * KV_HEADS, head_dim, torch.bfloat16)[0].contiguous()
+    starts = torch.tensor([0, 300, 400])  # 300 new tokens after 300 cached, and a prompt of 100
+    args = (q, kv, tables, torch.tensor([600, 100]), starts, head_dim**-0.5, 0, 0.0, None)
+    tiles, sums = OPS.paged_prefill(*args, True), OPS.paged_prefill(*args, False)
+    scale = sums.float().abs().amax(-1, keepdim=True).clamp(min=2**-20)  # each query head's output's
+    step = 2.0 ** (torch.floor(torch.log2(scale)) - 7)  # bfloat16's there
+    assert ((tiles.float() - sums.float()).abs() <= step).all()
+    assert (tiles != sums).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("kind", ["plain", "window", "softcap", "sinks", "all"])
 @pytest.mark.parametrize(("page_size", "head_dim", "group"), [(8, 64, 3), (16, 128, 4), (32, 64, 1)])
 def test_bfloat16_decodes_match_the_reference(page_size: int, head_dim: int, group: int, kind: str) -> None:
