@@ -71,8 +71,9 @@ QUANTIZED_SKINNY_ROWS = 128
 # With AMX, oneDNN's bfloat16 GEMM reads the weight at the same speed (16 ms for SmolLM2's 120) from 1 row to
 # 32; skinny_linear took 10.9 ms at 1 row, 15.7 at 4 and 17.7 at 8 (on an Intel Xeon).
 AMX_SKINNY_ROWS = 4
-# With AMX-INT8, an int8 x int8 GEMM of more rows than this runs on the tiles: for SmolLM2's GEMMs, 2.4 times
-# as fast as vpdpbusd at 64 rows and more, and the same at 8-16 (a scratch timing on an Intel Xeon).
+# With AMX-INT8, an int8 x int8 GEMM of more rows than this runs on the tiles: SmolLM2's 120 GEMMs took 6.4,
+# 8.8, 28.1 and 181.9 ms at 32, 64, 256 and 1024 rows, against vpdpbusd's 9.6, 16.6, 53.6 and 245.8
+# (scripts/bench_quantized.py on an Intel Xeon); at 8-16 rows a scratch timing found them about even.
 AMX_INT8_SKINNY_ROWS = 16
 
 CSRC = Path(__file__).parent / "cpu"
