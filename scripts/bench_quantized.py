@@ -61,7 +61,7 @@ def w8a8(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def vpdpbusd(ops: object, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """packed_linear's int8 x int8 product off AMX's tiles, at any number of rows."""
-    return ops.packed_linear(x, weight.data, weight.scale, weight.sums, None, weight.rows, False)  # type: ignore[attr-defined]
+    return ops.packed_linear(x, weight.data, weight.scale, weight.sums, None, weight.rows, False, False)  # type: ignore[attr-defined]
 
 
 def main() -> None:

@@ -186,6 +186,12 @@ class KernelBackend(Protocol):
         """x [T, K] W^T [K, N] (+ bias [N]): F.linear. A quantized weight's product is taken in float32
         (x widened, the weight dequantized) and rounded to x's dtype once."""
 
+    def gated_linear(
+        self, x: torch.Tensor, gate_up: Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """silu_and_mul(linear(x, gate_up, bias)): a gated MLP's first half, gate_up [2 I, K] holding gate's
+        rows then up's; [T, I]. A backend may run it as one kernel that never stores the [T, 2 I] product."""
+
     def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
         """A mixture of experts over x [T, H]: each token goes to its top experts as routing says, and gets
         the weighted sum of their gated MLPs' outputs. Returns [T, H]."""

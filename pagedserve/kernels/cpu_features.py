@@ -111,7 +111,7 @@ def _check_dot_bf16(ops: object) -> None:
         w = torch.randn(n, k, generator=generator).bfloat16()
         bias = torch.randn(n, generator=generator).bfloat16()
         packed = pack_linear(w)
-        dot = ops.packed_linear(x, packed.data, None, None, bias, n, False)  # type: ignore[attr-defined]
+        dot = ops.packed_linear(x, packed.data, None, None, bias, n, False, False)  # type: ignore[attr-defined]
         widened = ops.skinny_linear(x, w, None, bias)  # type: ignore[attr-defined]
         torch.testing.assert_close(dot.float(), widened.float(), rtol=2e-2, atol=2e-2 * k**0.5)
 

@@ -74,5 +74,10 @@ class CupyBackend:
             return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)  # cuBLAS
 
+    def gated_linear(
+        self, x: torch.Tensor, gate_up: Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.silu_and_mul(self.linear(x, gate_up, bias))
+
     def moe(self, x: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
         return cuda_experts.moe(x, experts, routing, self.tuning)  # grouped GEMMs, with no host sync

@@ -172,6 +172,11 @@ class TorchBackend:
             return quantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def gated_linear(
+        self, x: torch.Tensor, gate_up: Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.silu_and_mul(self.linear(x, gate_up, bias))
+
     moe = staticmethod(moe_reference)
 
     @staticmethod

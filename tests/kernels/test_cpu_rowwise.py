@@ -119,6 +119,18 @@ def test_silu_and_mul(backend: CpuBackend, inner: int, dtype: torch.dtype) -> No
     torch.testing.assert_close(out, REFERENCE.silu_and_mul(x), **CLOSE[dtype])
 
 
+@DTYPES
+def test_silu_and_mul_of_gates_far_below_zero(backend: CpuBackend, dtype: torch.dtype) -> None:
+    """A gate below -88.7 overflows exp(-gate): silu is -0 to the precision of float32, not NaN (as
+    -ffast-math's division by infinity made it), and a large positive gate passes through."""
+    gates = torch.tensor([-1e30, -3e4, -200.0, -90.5, -88.0, -20.0, 0.0, 20.0, 90.5, 3e4])
+    x = torch.cat((gates, torch.full_like(gates, 3.0))).view(1, -1).to(dtype)
+
+    out = backend.silu_and_mul(x)
+
+    torch.testing.assert_close(out, REFERENCE.silu_and_mul(x), atol=1e-30, rtol=CLOSE[dtype]["rtol"])
+
+
 def test_other_dtypes_take_the_reference(backend: CpuBackend) -> None:
     """float16, which the C++ ops do not take, against float64 math on the same inputs, within float16's
     rounding: the reference's own output would compare equal to itself, right or wrong."""
@@ -278,12 +290,35 @@ def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
     ops = cpu_ops()
     for b in (None, bias.float()):
         args = (x, prepared.data, prepared.scale, prepared.sums, b, n)
-        dots = ops.packed_linear(*args, False)
+        dots = ops.packed_linear(*args, False, False)
         # Where the probe ran AMX-INT8, the tiles are asked for (the op raises if they are refused), and the
         # backend takes them; elsewhere it takes vpdpbusd.
-        theirs = ops.packed_linear(*args, True) if found.amx_int8.usable else dots
+        theirs = ops.packed_linear(*args, True, False) if found.amx_int8.usable else dots
         assert torch.equal(theirs, dots)
         assert torch.equal(backends[-1].linear(x, prepared, b), dots)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16"])
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 16, 17, 32, 49, 100, 300])
+@pytest.mark.parametrize(("inner", "k"), [(1536, 576), (32, 64), (96, 128), (40, 64)], ids=str)
+def test_a_gated_product_is_silu_and_mul_of_the_product(
+    backends: list[CpuBackend], rows: int, inner: int, k: int, weights: str
+) -> None:
+    """gated_linear on a packed gate and up projection [2 I, K] writes silu(gate) * up in the GEMM's pass
+    (on vdpbf16ps, vpdpbusd or AMX's tiles, as the rows go): equal, bit for bit, to silu_and_mul of the
+    plain product, which stores the gate and up in bfloat16 first; with and without a bias, for rows in
+    tiles, stretches and AMX blocks and not. An I that is not whole groups of 32, or a CPU that does not run
+    the kernel, takes the two ops."""
+    gen = torch.Generator().manual_seed(rows * inner + k)
+    x, weight, bias = linear_case(gen, rows, 2 * inner, k, weights)
+    found = cpu_features()
+    runs = found.avx512_bf16.usable and (found.avx512_vnni.usable or not isinstance(weight, QuantizedWeight))
+    backend = backends[-1]  # packed, where this CPU runs the kernel (also a bfloat16 weight AMX leaves)
+    prepared = pack_linear(weight) if runs else backend.prepare_linear(weight, torch.bfloat16)
+    for b in (None, bias.float()):
+        fused = backend.gated_linear(x, prepared, b)
+        assert fused.shape == (rows, inner)
+        assert torch.equal(fused, backend.silu_and_mul(backend.linear(x, prepared, b)))
 
 
 def test_a_weight_of_odd_width_is_not_packed(backends: list[CpuBackend]) -> None:
@@ -302,17 +337,21 @@ def test_packed_linear_refuses_what_it_cannot_multiply(backend: CpuBackend) -> N
     fours = pack_linear(quantized(torch.randn(40, 64), "int8"))
     pairs = pack_linear(torch.randn(40, 64).bfloat16())
     with pytest.raises(ValueError, match="an int8 weight needs its scale and its sums"):
-        ops.packed_linear(x, fours.data, fours.scale, None, None, 40, False)
+        ops.packed_linear(x, fours.data, fours.scale, None, None, 40, False, False)
     with pytest.raises(ValueError, match="a scale and sums go with an int8 weight only"):
-        ops.packed_linear(x, pairs.data, None, fours.sums, None, 40, False)
+        ops.packed_linear(x, pairs.data, None, fours.sums, None, 40, False, False)
     with pytest.raises(ValueError, match="int8 weight needs N > 0 and K a multiple of 4, not N 40 and K 66"):
-        ops.packed_linear(torch.randn(3, 66).bfloat16(), fours.data, fours.scale, fours.sums, None, 40, False)
+        ops.packed_linear(
+            torch.randn(3, 66).bfloat16(), fours.data, fours.scale, fours.sums, None, 40, False, False
+        )
     with pytest.raises(ValueError, match="packed must be"):
-        ops.packed_linear(x, fours.data[0], fours.scale, fours.sums, None, 40, False)
+        ops.packed_linear(x, fours.data[0], fours.scale, fours.sums, None, 40, False, False)
+    with pytest.raises(ValueError, match="gate and up rows must each be a multiple of 32, not 40 rows"):
+        ops.packed_linear(x, fours.data, fours.scale, fours.sums, None, 40, False, True)
     wide = pack_linear(QuantizedWeight(torch.ones(32, 1 << 16, dtype=torch.int8), torch.ones(32)))
     with pytest.raises(ValueError, match="K below 65536"):
         ops.packed_linear(
-            torch.ones(1, 1 << 16).bfloat16(), wide.data, wide.scale, wide.sums, None, 32, False
+            torch.ones(1, 1 << 16).bfloat16(), wide.data, wide.scale, wide.sums, None, 32, False, False
         )
 
 

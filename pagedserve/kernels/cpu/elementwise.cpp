@@ -21,6 +21,7 @@ using pagedserve::check_shape;
 using pagedserve::from_float;
 using pagedserve::kAny;
 using pagedserve::round_to;
+using pagedserve::silu_mul;
 using pagedserve::to_float;
 using pagedserve::with_float_type;
 
@@ -98,10 +99,7 @@ void silu_rows(const T* in, T* o, int64_t rows, int64_t inner) {
       const T* gate = in + r * 2 * inner;
       const T* up = gate + inner;
 #pragma omp simd
-      for (int64_t i = 0; i < inner; ++i) {
-        const float g = to_float(gate[i]);
-        o[r * inner + i] = from_float<T>(round_to<T>(g / (1.0f + std::exp(-g))) * to_float(up[i]));
-      }
+      for (int64_t i = 0; i < inner; ++i) o[r * inner + i] = silu_mul<T>(to_float(gate[i]), to_float(up[i]));
     }
   });
 }

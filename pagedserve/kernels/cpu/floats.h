@@ -13,6 +13,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -71,6 +73,14 @@ inline bf16 from_float<bf16>(float v) {
 template <typename T>
 inline float round_to(float v) {
   return to_float(from_float<T>(v));
+}
+
+// silu(gate) * up as transformers computes it in T: the activation rounded to T, then the product (gate and
+// up already T's values). exp's argument stops at 88, below float32's overflow: -ffast-math's division by
+// infinity gave NaN for a gate below -88.7, where silu is -0 to float32's precision anyway.
+template <typename T>
+inline T silu_mul(float gate, float up) {
+  return from_float<T>(round_to<T>(gate / (1.0f + std::exp(std::min(-gate, 88.0f)))) * up);
 }
 
 // Vectors: kLanes consecutive elements, read unaligned ----------------------------------------------------

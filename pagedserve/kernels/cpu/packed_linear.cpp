@@ -1,5 +1,6 @@
 // y = x W^T * scale (+ bias) with bfloat16 x and a weight packed at load (pagedserve/kernels/cpu_backend.py packs) for
-// one instruction that multiplies several consecutive k at once:
+// one instruction that multiplies several consecutive k at once (or, gated, silu(x Wg^T) * x Wu^T of a fused
+// gate and up projection, in the same pass over x):
 // - a bfloat16 W for vdpbf16ps (AVX512-BF16): two k, each group of 32 output rows stored as [K/2, 32, 2];
 // - an int8 W, with a float32 scale per output row, for vpdpbusd (AVX512-VNNI): four k, [K/4, 32, 4]; x is
 //   rounded per row to int8 first (a scale a row, max |x| / 127), the products summed exactly in int32.
@@ -99,25 +100,67 @@ PACKED_TARGET inline __m512i broadcast(const X* x) {
   return _mm512_set1_epi32(word);
 }
 
-// Outputs [n0, n0 + 16) of row m from its sums: scaled, biased, rounded to bfloat16, stored where n < N.
-PACKED_TARGET inline void store(const Operands& o, int64_t m, int64_t n0, __m512 sums) {
-  const int64_t valid = o.n_len - n0;
-  if (valid <= 0) return;
-  const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+// Outputs [n0, n0 + 16) of W's rows from their sums: scaled and biased (where n < N, which mask marks).
+PACKED_TARGET inline __m512 finish(const Operands& o, int64_t n0, __m512 sums, __mmask16 mask = 0xFFFF) {
   if (o.scale) sums = _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(mask, o.scale + n0));
   if (o.bias) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(mask, o.bias + n0));
-  _mm256_mask_storeu_epi16(o.y + m * o.n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+  return sums;
 }
 
-template <typename Dot>
-PACKED_TARGET inline void store_both(const Operands& o, int64_t m, int64_t n0, const typename Dot::Acc* acc) {
-  store(o, m, n0, Dot::sums(acc[0], o, m, n0));
-  store(o, m, n0 + 16, Dot::sums(acc[1], o, m, n0 + 16));
+// Where a kernel's sums go, 16 outputs at a time: put(m, n0, sums) takes row m's sums of W's rows
+// [n0, n0 + 16), x's scale applied.
+
+// y = the outputs, rounded to bfloat16, stored where n < N.
+struct Store {
+  const Operands& o;
+  PACKED_TARGET void put(int64_t m, int64_t n0, __m512 sums) const {
+    const int64_t valid = o.n_len - n0;
+    if (valid <= 0) return;
+    const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    _mm256_mask_storeu_epi16(o.y + m * o.n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(finish(o, n0, sums, mask)));
+  }
+};
+
+// Gated, W is [2 I, K]: gate's rows, then up's, I a multiple of the group. A work item runs gate's group g
+// for its rows into Gates, rounded to bfloat16 as an unfused projection would store them, then up's group
+// (g + I / 32) into GatedStore, which writes y [M, I] = silu(gate) * up, as silu_and_mul rounds it.
+constexpr int64_t kMaxStretch = 4 * kTileRows;  // rows a work item: run's 4 tiles, or one of run_amx's blocks
+
+struct Gates {
+  const Operands& o;
+  int64_t m0;                            // the work item's first row
+  float (&rows)[kMaxStretch][kGroup];  // its rows' gates
+  PACKED_TARGET void put(int64_t m, int64_t n0, __m512 sums) const {
+    const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(finish(o, n0, sums)));
+    _mm512_storeu_ps(&rows[m - m0][n0 % kGroup], rounded);
+  }
+};
+
+struct GatedStore {
+  const Operands& o;
+  int64_t m0;
+  const float (&gates)[kMaxStretch][kGroup];
+  PACKED_TARGET void put(int64_t m, int64_t n0, __m512 sums) const {
+    const int64_t inner = o.n_len / 2;
+    alignas(64) float up[16];
+    _mm512_store_ps(up, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(finish(o, n0, sums))));
+    const float* gate = &gates[m - m0][n0 % kGroup];
+    bf16* y = o.y + m * inner + n0 - inner;
+#pragma omp simd
+    for (int i = 0; i < 16; ++i) y[i] = pagedserve::silu_mul<bf16>(gate[i], up[i]);
+  }
+};
+
+template <typename Dot, typename Sink>
+PACKED_TARGET inline void put_both(const Operands& o, const Sink& sink, int64_t m, int64_t n0,
+                                   const typename Dot::Acc* acc) {
+  sink.put(m, n0, Dot::sums(acc[0], o, m, n0));
+  sink.put(m, n0 + 16, Dot::sums(acc[1], o, m, n0 + 16));
 }
 
 // Rows [m0, m0 + MB) against group g's W, w.
-template <int MB, typename Dot>
-PACKED_TARGET void tile(const Operands& o, const char* w, int64_t m0, int64_t g) {
+template <int MB, typename Dot, typename Sink>
+PACKED_TARGET void tile(const Operands& o, const Sink& sink, const char* w, int64_t m0, int64_t g) {
   typename Dot::Acc acc[MB][2];
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = Dot::zero();
   const auto* x = static_cast<const typename Dot::X*>(o.x) + m0 * o.k_len;
@@ -130,12 +173,12 @@ PACKED_TARGET void tile(const Operands& o, const char* w, int64_t m0, int64_t g)
       acc[i][1] = Dot::dot(acc[i][1], xv, hi);
     }
   }
-  for (int i = 0; i < MB; ++i) store_both<Dot>(o, m0 + i, g * kGroup, acc[i]);
+  for (int i = 0; i < MB; ++i) put_both<Dot>(o, sink, m0 + i, g * kGroup, acc[i]);
 }
 
 // One row against group g: four chains of sums over k, so that each dot product waits on one four back.
-template <typename Dot>
-PACKED_TARGET void single_row(const Operands& o, const char* w, int64_t m, int64_t g) {
+template <typename Dot, typename Sink>
+PACKED_TARGET void single_row(const Operands& o, const Sink& sink, const char* w, int64_t m, int64_t g) {
   constexpr int64_t kStep = Dot::kStep;
   typename Dot::Acc acc[4][2];
   for (auto& chain : acc) chain[0] = chain[1] = Dot::zero();
@@ -161,31 +204,31 @@ PACKED_TARGET void single_row(const Operands& o, const char* w, int64_t m, int64
   for (int half = 0; half < 2; ++half) {
     total[half] = Dot::add(Dot::add(acc[0][half], acc[1][half]), Dot::add(acc[2][half], acc[3][half]));
   }
-  store_both<Dot>(o, m, g * kGroup, total);
+  put_both<Dot>(o, sink, m, g * kGroup, total);
 }
 
-template <typename Dot>
-PACKED_TARGET void rows_against_group(const Operands& o, int64_t m0, int64_t m_end, int64_t g) {
+template <typename Dot, typename Sink>
+PACKED_TARGET void rows_against_group(const Operands& o, const Sink& sink, int64_t m0, int64_t m_end, int64_t g) {
   const int64_t w_bytes = kStepBytes * (o.k_len / Dot::kStep);  // a group's
   const char* w = static_cast<const char*>(o.w) + g * w_bytes;
   int64_t m = m0;
   if (m_end - m == 1) {
-    single_row<Dot>(o, w, m, g);
+    single_row<Dot>(o, sink, w, m, g);
     return;
   }
-  for (; m + kTileRows <= m_end; m += kTileRows) tile<kTileRows, Dot>(o, w, m, g);
+  for (; m + kTileRows <= m_end; m += kTileRows) tile<kTileRows, Dot>(o, sink, w, m, g);
   switch (m_end - m) {
-    case 11: tile<11, Dot>(o, w, m, g); break;
-    case 10: tile<10, Dot>(o, w, m, g); break;
-    case 9: tile<9, Dot>(o, w, m, g); break;
-    case 8: tile<8, Dot>(o, w, m, g); break;
-    case 7: tile<7, Dot>(o, w, m, g); break;
-    case 6: tile<6, Dot>(o, w, m, g); break;
-    case 5: tile<5, Dot>(o, w, m, g); break;
-    case 4: tile<4, Dot>(o, w, m, g); break;
-    case 3: tile<3, Dot>(o, w, m, g); break;
-    case 2: tile<2, Dot>(o, w, m, g); break;
-    case 1: tile<1, Dot>(o, w, m, g); break;
+    case 11: tile<11, Dot>(o, sink, w, m, g); break;
+    case 10: tile<10, Dot>(o, sink, w, m, g); break;
+    case 9: tile<9, Dot>(o, sink, w, m, g); break;
+    case 8: tile<8, Dot>(o, sink, w, m, g); break;
+    case 7: tile<7, Dot>(o, sink, w, m, g); break;
+    case 6: tile<6, Dot>(o, sink, w, m, g); break;
+    case 5: tile<5, Dot>(o, sink, w, m, g); break;
+    case 4: tile<4, Dot>(o, sink, w, m, g); break;
+    case 3: tile<3, Dot>(o, sink, w, m, g); break;
+    case 2: tile<2, Dot>(o, sink, w, m, g); break;
+    case 1: tile<1, Dot>(o, sink, w, m, g); break;
     default: break;
   }
 }
@@ -193,14 +236,21 @@ PACKED_TARGET void rows_against_group(const Operands& o, int64_t m0, int64_t m_e
 // The work is (group, stretch of rows) pairs, group-major, so that a thread's consecutive pairs share a
 // group's W; a stretch is every row at decode sizes, and 4 tiles of rows at a prefill's.
 // The lambdas here name the target themselves: GCC does not pass a function's target to a lambda inside it.
+// Gated, a work item is gate's group g with up's after it (groups is then I / 32).
 template <typename Dot>
-void run(const Operands& o, int64_t m_len, int64_t groups) {
-  const int64_t stretch = m_len <= 4 * kTileRows ? m_len : 4 * kTileRows;
+void run(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
+  const int64_t stretch = m_len <= kMaxStretch ? m_len : kMaxStretch;
   const int64_t stretches = (m_len + stretch - 1) / stretch;
   at::parallel_for(0, groups * stretches, 1, [&](int64_t begin, int64_t end) PACKED_TARGET {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t g = i / stretches, m0 = (i % stretches) * stretch;
-      rows_against_group<Dot>(o, m0, std::min(m0 + stretch, m_len), g);
+      const int64_t g = i / stretches, m0 = (i % stretches) * stretch, m_end = std::min(m0 + stretch, m_len);
+      if (gated) {
+        float gates[kMaxStretch][kGroup];
+        rows_against_group<Dot>(o, Gates{o, m0, gates}, m0, m_end, g);
+        rows_against_group<Dot>(o, GatedStore{o, m0, gates}, m0, m_end, g + groups);
+      } else {
+        rows_against_group<Dot>(o, Store{o}, m0, m_end, g);
+      }
     }
   });
 }
@@ -211,8 +261,10 @@ void run(const Operands& o, int64_t m_len, int64_t groups) {
 // 128 bytes apart, which is the layout a tile's right operand takes. The sums end as vpdpbusd's do. x holds a
 // multiple of 32 rows (those past M unused) and K is a multiple of 64.
 constexpr int64_t kAmxRows = 32, kAmxK = 64;
+static_assert(kAmxRows <= kMaxStretch);
 
-AMX_TARGET void amx_block(const Operands& o, const char* w, int64_t m0, int64_t m_end, int64_t g) {
+template <typename Sink>
+AMX_TARGET void amx_block(const Operands& o, const Sink& sink, const char* w, int64_t m0, int64_t m_end, int64_t g) {
   const auto* x = static_cast<const uint8_t*>(o.x) + m0 * o.k_len;
   _tile_zero(0);
   _tile_zero(1);
@@ -237,21 +289,29 @@ AMX_TARGET void amx_block(const Operands& o, const char* w, int64_t m0, int64_t 
     Int8Dot::Acc acc[2];
     std::memcpy(&acc[0], sums[i], sizeof acc[0]);
     std::memcpy(&acc[1], sums[i] + 16, sizeof acc[1]);
-    store_both<Int8Dot>(o, m0 + i, g * kGroup, acc);
+    put_both<Int8Dot>(o, sink, m0 + i, g * kGroup, acc);
   }
 }
 
-// As run, with blocks of 32 rows on the tiles; a work item is a group against 4 blocks.
-void run_amx(const Operands& o, int64_t m_len, int64_t groups) {
+// As run, with blocks of 32 rows on the tiles; a work item is a group (gated: two) against 4 blocks.
+void run_amx(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
   constexpr int64_t kStretch = 4;
   const int64_t blocks = (m_len + kAmxRows - 1) / kAmxRows, stretches = (blocks + kStretch - 1) / kStretch;
   const int64_t w_bytes = kStepBytes * (o.k_len / Int8Dot::kStep);  // a group's
+  const char* weights = static_cast<const char*>(o.w);
   at::parallel_for(0, groups * stretches, 1, [&](int64_t begin, int64_t end) AMX_TARGET {
     const amx::Tiles tiles(8);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / stretches, first = (i % stretches) * kStretch;
       for (int64_t b = first; b < std::min(first + kStretch, blocks); ++b) {
-        amx_block(o, static_cast<const char*>(o.w) + g * w_bytes, b * kAmxRows, m_len, g);
+        const int64_t m0 = b * kAmxRows;
+        if (gated) {
+          float gates[kMaxStretch][kGroup];
+          amx_block(o, Gates{o, m0, gates}, weights + g * w_bytes, m0, m_len, g);
+          amx_block(o, GatedStore{o, m0, gates}, weights + (g + groups) * w_bytes, m0, m_len, g + groups);
+        } else {
+          amx_block(o, Store{o}, weights + g * w_bytes, m0, m_len, g);
+        }
       }
     }
   });
@@ -291,12 +351,14 @@ PACKED_TARGET void quantize_rows(const bf16* x, int64_t m_len, int64_t k_len, ui
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> scale,
                             std::optional<torch::Tensor> w_sums, std::optional<torch::Tensor> bias,
-                            int64_t n_len, bool amx) {
+                            int64_t n_len, bool amx, bool gated) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
   check_cpu(x, "x", torch::kBFloat16);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const int64_t m_len = x.size(0), k_len = x.size(1);
   const int64_t groups = (n_len + kGroup - 1) / kGroup;
+  TORCH_CHECK_VALUE(!gated || n_len % (2 * kGroup) == 0, "a gated weight's gate and up rows must each be a multiple of ",
+                    kGroup, ", not ", n_len, " rows in all");
   const bool quantized = packed.scalar_type() == torch::kInt8;
   const int64_t step = quantized ? 4 : 2;
   TORCH_CHECK_VALUE(n_len > 0 && k_len % step == 0, "a packed ", quantized ? "int8" : "bfloat16",
@@ -324,7 +386,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
   if (bias) check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
   const auto xc = x.contiguous();
   const auto bf = bias ? std::optional<torch::Tensor>(bias->to(torch::kFloat32).contiguous()) : std::nullopt;
-  auto y = torch::empty({m_len, n_len}, x.options());
+  auto y = torch::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
+  const int64_t items = gated ? groups / 2 : groups;  // gated, each runs gate's group and up's
 #if defined(__x86_64__)
   Operands o{xc.data_ptr<bf16>(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
              bf ? bf->data_ptr<float>() : nullptr, y.data_ptr<bf16>(), k_len, n_len};
@@ -342,12 +405,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
     o.x_scale = x_scale.data_ptr<float>();
     o.w_sums = w_sums->data_ptr<int32_t>();
     if (tiles) {
-      run_amx(o, m_len, groups);
+      run_amx(o, m_len, items, gated);
     } else {
-      run<Int8Dot>(o, m_len, groups);
+      run<Int8Dot>(o, m_len, items, gated);
     }
   } else {
-    run<Bf16Dot>(o, m_len, groups);
+    run<Bf16Dot>(o, m_len, items, gated);
   }
   return y;
 #else

@@ -201,12 +201,11 @@ class CausalLM:
         be, w = self.backend, layer.weights
         if w.experts is not None:
             return be.moe(x, w.experts, self.routing)
-        gate_up = be.linear(x, w.gate_up, w.gate_up_bias)  # type: ignore[arg-type]
-        return be.linear(self.activation(gate_up), w.down, w.down_bias)  # type: ignore[arg-type]
+        return be.linear(self.gated(x, w), w.down, w.down_bias)  # type: ignore[arg-type]
 
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's gated activation of the fused [T, 2 I] gate and up projections."""
-        return self.backend.silu_and_mul(gate_up)
+    def gated(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """The MLP's gated activation of x's gate and up projections (fused, [2 I, H]): silu(gate) * up."""
+        return self.backend.gated_linear(x, w.gate_up, w.gate_up_bias)  # type: ignore[arg-type]
 
     @property
     def routing(self) -> Routing:

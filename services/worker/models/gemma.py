@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.backend import KernelBackend, LayerAttention
 from services.worker.models.decoder import CausalLM, Layer, Step
 from services.worker.models.spec import ModelSpec
-from services.worker.models.weights import Weights
+from services.worker.models.weights import LayerWeights, Weights
 
 
 class Gemma2(CausalLM):
@@ -43,8 +43,8 @@ class Gemma2(CausalLM):
         mlp = self.mlp(layer, be.rms_norm(hidden, w.pre_mlp_norm, eps)[0])  # type: ignore[arg-type]
         return hidden + be.rms_norm(mlp, w.post_mlp_norm, eps)[0], None  # type: ignore[arg-type]
 
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
+    def gated(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        gate, up = self.backend.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # type: ignore[arg-type]
         return F.gelu(gate, approximate="tanh") * up
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
