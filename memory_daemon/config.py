@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from memory_daemon.refill import RefillSettings
 from pagedserve.plumbing.auth import secret_setting
+from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.plumbing.logs import log_level_setting
 from pagedserve.plumbing.metrics import MetricsSettings
 from pagedserve.plumbing.settings import check_settings, device, nested, positive, setting
@@ -37,6 +38,19 @@ class DaemonConfig:
         check=positive,
         shown_default="1GiB",
     )
+    kv_disk: str | None = setting(
+        None,
+        "a folder for the pages the pools evict, read back on a prefix hit and kept across restarts "
+        "(a private folder: made 0700 if missing); CPU pools only in this version",
+        metavar="DIR",
+    )
+    kv_disk_bytes: int = setting(
+        0,
+        "the disk tier's budget, e.g. 20GiB (needed with --kv-disk)",
+        flag="--kv-disk-size",
+        convert=parse_bytes,
+        metavar="SIZE",
+    )
     watermark: float = setting(
         0.01, "the fraction of each pool kept free by evicting idle cached pages", check=_fraction
     )
@@ -48,6 +62,12 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if (self.kv_disk is None) != (self.kv_disk_bytes <= 0):
+            raise InvalidArgument("--kv-disk DIR and --kv-disk-size SIZE (above zero) go together")
+        if self.kv_disk is not None and self.device_kind == "cuda":
+            raise InvalidArgument(
+                "--kv-disk takes CPU pools in this version; a CUDA daemon keeps its tier in GPU memory alone"
+            )
 
     @property
     def device_kind(self) -> str:

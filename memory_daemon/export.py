@@ -90,6 +90,8 @@ class ShmStorage:
         self.handle = ShmHandle(str(self.path))
         try:
             os.posix_fallocate(fd, 0, nbytes)
+            # The daemon's own view, for the pages it moves between the pool and a lower tier.
+            self.memory = mmap.mmap(fd, nbytes)
         except OSError as exc:
             self.path.unlink()
             raise ResourceExhausted(
@@ -101,6 +103,7 @@ class ShmStorage:
 
     def close(self) -> None:
         # Workers that still map the file keep its memory until they unmap; the name goes now.
+        self.memory.close()
         self.path.unlink(missing_ok=True)
 
 

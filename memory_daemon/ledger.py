@@ -7,6 +7,10 @@ Every usable page is in exactly one state:
   so that a lease's end drops exactly its own references. When the count falls to zero the page stays
   cached, evictable least recently used first, if it is in the index, and is freed otherwise (a page whose
   key was already cached by another page).
+With a lower tier (`tier`, memory_daemon/tiers.py: the disk), an evicted page's bytes are demoted there
+before the page is freed, and a lookup that misses the pool goes on in the tier: each key found there is
+promoted into a free page (evicting, and so demoting, an idle one if need be), indexed again and returned
+like any hit; its publisher is then the tier (`Publishers.record_promoted`).
 Page 0 is the null page: never leased, so block tables can pad with it. Each indexed page's publisher is
 recorded (`publishers`), so that `drop_published` can take a worker's entries out, also after it went away;
 each call that changes the index ends one batch of its events (`prefix_events`).
@@ -21,14 +25,33 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from memory_daemon.checks import RequestChecks
+from memory_daemon.disk_tier import StoredPage
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
 from memory_daemon.prefix import PrefixIndex, Published
 from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
 from memory_daemon.stats import PoolCounts
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument
+
+
+class LowerTier(Protocol):
+    """Where evicted pages go and hits come back from (memory_daemon/tiers.py's PoolTier)."""
+
+    def demote(
+        self, model_id: str, key: bytes, page: int, parent: bytes, token_ids: tuple[int, ...]
+    ) -> None: ...
+
+    def has(self, model_id: str, key: bytes) -> bool: ...
+
+    def promote(self, model_id: str, key: bytes, page: int) -> StoredPage | None:
+        """Copy the page kept under key into page; what it is, or None if the tier has it no more."""
+
+    def forget(self, model_id: str, key: bytes) -> None: ...
+
+    def flush(self, model_id: str) -> int: ...
 
 
 class PageLedger(RequestChecks):
@@ -39,6 +62,7 @@ class PageLedger(RequestChecks):
         low_watermark: int = 0,
         refill: RefillSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tier: LowerTier | None = None,
     ) -> None:
         if num_pages < 2:
             raise InvalidArgument(
@@ -51,6 +75,7 @@ class PageLedger(RequestChecks):
         self.leases: dict[str, Lease] = {}
         self._refill = refill or RefillSettings()
         self._clock = clock
+        self.tier = tier
         self._state = bytearray(num_pages)
         self._state[NULL_PAGE] = PageState.NULL
         self._holder: list[Lease | None] = [None] * num_pages
@@ -196,11 +221,13 @@ class PageLedger(RequestChecks):
         if len(keys) > self.usable_pages:
             raise InvalidArgument(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
         self._check_keys(keys)
-        pages = []
+        pages: list[int] = []
         for key in keys:
             page = self.index.get(lease.model_id, key)
             if page is None:
-                break
+                page = self._promote(lease.model_id, key)
+                if page is None:
+                    break
             if self._refs[page] == 0:
                 self.index.mark_busy(page)
             self._refs[page] += 1
@@ -210,6 +237,7 @@ class PageLedger(RequestChecks):
         self.prefix_hits += bool(pages)
         self.prefix_queried_pages += len(keys)
         self.prefix_hit_pages += len(pages)
+        self.index.commit()
         return pages
 
     def drop_published(self, *, worker_id: int = 0, name: str = "") -> int:
@@ -217,10 +245,18 @@ class PageLedger(RequestChecks):
         returns how many. Idle ones go free now, referenced ones when their last reference drops."""
         if not (worker_id or name):
             raise InvalidArgument("name the publisher whose pages to drop: its worker_id or its name")
-        return self._uncache(self.publishers.pages_of(worker_id=worker_id, name=name))
+        pages = self.publishers.pages_of(worker_id=worker_id, name=name)
+        if self.tier is not None:  # a copy demoted earlier is the same untrusted page
+            for page in pages:
+                entry = self.index.entry(page)
+                self.tier.forget(entry.model_id, entry.key)
+        return self._uncache(pages)
 
     def flush(self, model_id: str) -> int:
-        """Drop every cached page of model_id that no one references; returns how many."""
+        """Drop every cached page of model_id that no one references, and its pages in the lower tier;
+        returns how many pages left the pool."""
+        if self.tier is not None:
+            self.tier.flush(model_id)
         return self._uncache(self.index.idle_pages(model_id))
 
     def counts(self) -> PoolCounts:
@@ -270,9 +306,32 @@ class PageLedger(RequestChecks):
 
     def _evict(self, count: int) -> None:
         for _ in range(count):
-            page = self.index.evict_oldest()
+            page = self.index.oldest_idle()
             if page is None:
                 return
+            if self.tier is not None:
+                entry = self.index.entry(page)
+                self.tier.demote(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
+            self.index.remove(page)
             self.publishers.forget(page)
             self._free_page(page)
             self.evictions += 1
+
+    def _promote(self, model_id: str, key: bytes) -> int | None:
+        """key's page brought back from the lower tier into a free page, indexed, unreferenced; None if the
+        tier lacks it or the pool has no idle page to spare."""
+        if self.tier is None or not self.tier.has(model_id, key):
+            return None
+        if not self._free:
+            self._evict(1)
+        if not self._free:
+            return None
+        page = self._free.pop()
+        found = self.tier.promote(model_id, key, page)
+        if found is None:
+            self._free.append(page)
+            return None
+        self._state[page] = PageState.SHARED
+        self.index.add(model_id, key, page, found.parent, found.token_ids)
+        self.publishers.record_promoted(page, model_id)
+        return page

@@ -8,7 +8,9 @@ replaced whole, so a scrape sees one consistent moment, at most half a second ol
 Per pool, labelled `pool` (its id): `pagedserve_kv_pages{state}` for free, leased and shared pages
 (free + leased + shared = `pagedserve_kv_pages_total_capacity`, the usable pages) and for cached and
 evictable pages, which are subsets of shared; `pagedserve_kv_workers`, the attached leases; and counters
-for evictions, prefix lookups, lookups that hit, pages queried and pages hit.
+for evictions, prefix lookups, lookups that hit, pages queried and pages hit. With `--kv-disk`, the disk
+tier's pages, bytes and budget, and counters of its demotions, promotions, bytes moved, the seconds
+promotions took, and pages dropped or files rejected (`pagedserve_kv_tier_*{tier="disk"}`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from memory_daemon.disk_tier import TierCounts
 from memory_daemon.service import MemoryDaemonService
 from memory_daemon.stats import PoolCounts
 from pagedserve.plumbing.metrics import MetricsSettings
@@ -37,15 +40,40 @@ _COUNTERS = (
 _STATES = ("free", "leased", "shared", "cached", "evictable")
 
 
-class PoolSnapshots(Collector):
-    """The latest counts of every pool, taken on the event loop and read by the scrape thread."""
+# The disk tier's (metric name without _total, TierCounts field, help)
+_TIER_GAUGES = (
+    ("pagedserve_kv_tier_pages", "pages", "pages kept in the tier"),
+    ("pagedserve_kv_tier_bytes", "bytes", "bytes the tier's pages take"),
+    ("pagedserve_kv_tier_capacity_bytes", "capacity_bytes", "the tier's budget"),
+)
+_TIER_COUNTERS = (
+    ("pagedserve_kv_tier_demotions", "demotions", "evicted pages written to the tier"),
+    ("pagedserve_kv_tier_promotions", "promotions", "pages read back into a pool on a prefix hit"),
+    ("pagedserve_kv_tier_written_bytes", "bytes_written", "bytes written by demotions"),
+    ("pagedserve_kv_tier_read_bytes", "bytes_read", "bytes read by promotions"),
+    ("pagedserve_kv_tier_promote_seconds", "promote_seconds", "seconds promotions took to read and check"),
+    ("pagedserve_kv_tier_dropped", "dropped", "pages the tier let go to stay in its budget"),
+    ("pagedserve_kv_tier_rejected", "rejected", "files refused unread: truncated, corrupt, foreign, planted"),
+)
 
-    def __init__(self, read_counts: Callable[[], list[tuple[int, PoolCounts]]]) -> None:
+
+class PoolSnapshots(Collector):
+    """The latest counts of every pool and of the disk tier, taken on the event loop and read by the scrape
+    thread."""
+
+    def __init__(
+        self,
+        read_counts: Callable[[], list[tuple[int, PoolCounts]]],
+        read_tier: Callable[[], TierCounts | None] = lambda: None,
+    ) -> None:
         self._read_counts = read_counts
+        self._read_tier = read_tier
         self.latest: tuple[tuple[int, PoolCounts], ...] = ()
+        self.latest_tier: TierCounts | None = None
 
     def refresh(self) -> None:
         self.latest = tuple(self._read_counts())
+        self.latest_tier = self._read_tier()
 
     async def run(self, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
         """Refresh forever (run it as a task on the daemon's loop; cancel it to stop)."""
@@ -54,10 +82,22 @@ class PoolSnapshots(Collector):
             await asyncio.sleep(interval_s)
 
     def describe(self) -> Iterator[Metric]:
-        return self._families(())
+        yield from self._families(())
+        yield from self._tier_families(None)
 
     def collect(self) -> Iterator[Metric]:
-        return self._families(self.latest)
+        yield from self._families(self.latest)
+        yield from self._tier_families(self.latest_tier)
+
+    @staticmethod
+    def _tier_families(counts: TierCounts | None) -> Iterator[Metric]:
+        """Labelled tier="disk"; without a tier, the families and no samples."""
+        for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
+            for name, field, text in table:
+                family = kind(name, text, labels=["tier"])
+                if counts is not None:
+                    family.add_metric(["disk"], getattr(counts, field))
+                yield family
 
     @staticmethod
     def _families(snapshot: tuple[tuple[int, PoolCounts], ...]) -> Iterator[Metric]:
@@ -89,7 +129,7 @@ def start_metrics(
 
     Returns the snapshot task; cancel it at shutdown.
     """
-    snapshots = PoolSnapshots(service.pool_counts)
+    snapshots = PoolSnapshots(service.pool_counts, service.tier_counts)
     registry.register(snapshots)
     task = asyncio.create_task(snapshots.run(), name="metrics-snapshots")
     settings.serve()

@@ -46,13 +46,22 @@ def page_keys(token_ids: Sequence[int], page_size: int, parent: bytes = ROOT_KEY
     return keys
 
 
+class Entry(NamedTuple):
+    """An indexed page: whose it is, its key, and its parent's key and tokens (what a lower tier keeps)."""
+
+    model_id: str
+    key: bytes
+    parent: bytes
+    token_ids: tuple[int, ...]
+
+
 class PrefixIndex:
     """(model id, key) -> page, plus the least-recently-used order of pages no one references, and each
     model's record of what entered and left (`prefix_events`)."""
 
     def __init__(self) -> None:
         self._page_by_key: dict[tuple[str, bytes], int] = {}
-        self._key_by_page: dict[int, tuple[str, bytes]] = {}
+        self._entry_of: dict[int, Entry] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.events: dict[str, ModelEvents] = {}
 
@@ -68,7 +77,7 @@ class PrefixIndex:
 
     @property
     def cached_pages(self) -> int:
-        return len(self._key_by_page)
+        return len(self._entry_of)
 
     @property
     def evictable_pages(self) -> int:
@@ -81,16 +90,19 @@ class PrefixIndex:
         self, model_id: str, key: bytes, page: int, parent: bytes = ROOT_KEY, token_ids: Sequence[int] = ()
     ) -> bool:
         """Index page under key; False when the key already names another page."""
-        assert page not in self._key_by_page, f"page {page} is indexed twice"
+        assert page not in self._entry_of, f"page {page} is indexed twice"
         if (model_id, key) in self._page_by_key:
             return False
         self._page_by_key[(model_id, key)] = page
-        self._key_by_page[page] = (model_id, key)
+        self._entry_of[page] = Entry(model_id, key, parent, tuple(token_ids))
         self.events_of(model_id).stored(Stored(key, parent, tuple(token_ids)))
         return True
 
     def __contains__(self, page: int) -> bool:
-        return page in self._key_by_page
+        return page in self._entry_of
+
+    def entry(self, page: int) -> Entry:
+        return self._entry_of[page]
 
     def mark_idle(self, page: int) -> None:
         """Its last reference is gone: it becomes the most recently used evictable page."""
@@ -99,16 +111,12 @@ class PrefixIndex:
     def mark_busy(self, page: int) -> None:
         self._idle.pop(page, None)
 
-    def evict_oldest(self) -> int | None:
-        """Drop the least recently used idle page from the index and return it; None if there is none."""
-        if not self._idle:
-            return None
-        page, _ = self._idle.popitem(last=False)
-        self._drop(page)
-        return page
+    def oldest_idle(self) -> int | None:
+        """The least recently used idle page, the next to evict; None if there is none."""
+        return next(iter(self._idle), None)
 
     def idle_pages(self, model_id: str) -> list[int]:
-        return [page for page in self._idle if self._key_by_page[page][0] == model_id]
+        return [page for page in self._idle if self._entry_of[page].model_id == model_id]
 
     def remove(self, page: int) -> None:
         """Drop an indexed page from the index (and from the idle order): no lookup finds it again."""
@@ -116,6 +124,6 @@ class PrefixIndex:
         self._drop(page)
 
     def _drop(self, page: int) -> None:
-        model_id, key = self._key_by_page.pop(page)
-        del self._page_by_key[(model_id, key)]
-        self.events[model_id].removed(key)
+        entry = self._entry_of.pop(page)
+        del self._page_by_key[(entry.model_id, entry.key)]
+        self.events[entry.model_id].removed(entry.key)

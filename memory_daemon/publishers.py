@@ -8,6 +8,8 @@ from collections import Counter
 from memory_daemon.lease import Lease
 from memory_daemon.stats import PublisherUsage
 
+PROMOTED = "(a lower tier)"  # the publisher's name of pages promoted from the disk tier
+
 
 class Publishers:
     def __init__(self) -> None:
@@ -15,6 +17,10 @@ class Publishers:
 
     def record(self, page: int, lease: Lease) -> None:
         self._by_page[page] = PublisherUsage(lease.worker_id, lease.name, lease.model_id, 0)
+
+    def record_promoted(self, page: int, model_id: str) -> None:
+        """page came back from a lower tier: its publisher is that tier (worker id 0, which no lease has)."""
+        self._by_page[page] = PublisherUsage(0, PROMOTED, model_id, 0)
 
     def forget(self, page: int) -> None:
         self._by_page.pop(page, None)

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from memory_daemon.config import DaemonConfig
+from memory_daemon.disk_tier import DiskTier, TierCounts
 from memory_daemon.export import CudaStorage, ShmStorage, Storage
 from memory_daemon.lease import Lease as WorkerLease
 from memory_daemon.ledger import PageLedger
@@ -23,6 +24,7 @@ from memory_daemon.pool import Pool
 from memory_daemon.prefix import Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
+from memory_daemon.tiers import PageCopier, PoolTier
 from memory_daemon.wire import batch_to_pb, descriptor_to_pb, pool_stats_to_pb, shape_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -43,6 +45,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self._shape_by_model: dict[str, PoolShape] = {}
         self._pool_by_lease: dict[str, Pool] = {}
         self._events: dict[str, asyncio.Queue[memory_pb2.AttachEvent]] = {}
+        self._disk = DiskTier(config.kv_disk, config.kv_disk_bytes) if config.kv_disk else None
 
     async def Attach(
         self, request: memory_pb2.AttachRequest, context: grpc.aio.ServicerContext
@@ -166,6 +169,10 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         """Every pool's id and counts (call on the daemon's event loop, like any handler)."""
         return [(pool.pool_id, pool.ledger.counts()) for pool in self._pools.values()]
 
+    def tier_counts(self) -> TierCounts | None:
+        """The disk tier's counts, None without one (call on the daemon's event loop)."""
+        return None if self._disk is None else self._disk.counts()
+
     def close(self) -> None:
         for pool in self._pools.values():
             pool.storage.close()
@@ -232,11 +239,15 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             )
         pool_id = len(self._pools) + 1
         storage = self._allocate(pool_id, nbytes)
+        tier = None
+        if self._disk is not None and isinstance(storage, ShmStorage):
+            tier = PoolTier(self._disk, PageCopier(storage.memory, shape, num_pages), shape)
         ledger = PageLedger(
             num_pages,
             low_watermark=int(self._config.watermark * num_pages),
             refill=self._config.refill,
             clock=self._clock,
+            tier=tier,
         )
         pool = Pool(pool_id, shape, storage, ledger)
         self._pools[shape] = pool

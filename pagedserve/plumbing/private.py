@@ -94,17 +94,18 @@ def private_folder(path: str | Path) -> Path:
     return folder
 
 
-def write_private_file(path: Path, text: str) -> None:
+def write_private_file(path: Path, data: str | bytes) -> None:
     """Write path whole or not at all: a fresh file (O_EXCL, O_NOFOLLOW, mode 0600) renamed over it.
 
-    A reader never sees half a file, and a symlink planted at either name is replaced, never followed.
+    A reader never sees half a file, and a symlink planted at either name is replaced, never followed. A
+    crash can leave the fresh file behind, named .NAME.PID.RANDOM.partial.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     partial = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.partial")
     fd = os.open(partial, flags, 0o600)
     try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as file:
+            file.write(data)
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)

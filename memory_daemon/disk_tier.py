@@ -1,0 +1,278 @@
+"""The disk tier: pages the pools evict, kept in files under `--kv-disk DIR` up to `--kv-disk-size`.
+
+A file holds one page, whole: a header that names what it is (the model's fingerprint: its id and pool
+shape, so that no other model or geometry reads it; the page's chain key, its parent's key and its tokens,
+for the prefix index's events) and a digest of the payload, then the payload, the page's bytes in the
+pool's own layout. The file's name is a digest of fingerprint and key, so a lookup opens one name and a
+file renamed from another page's is refused.
+
+Nothing here is trusted because it is on disk. The folder is private to this user (0700, `private_folder`);
+a file is read only if it is a regular file (never through a symlink) with one link, of this user's, mode
+0600, of the size its header says; its header must match its name and its payload its digest. A file that
+fails any check is deleted and counted (`rejected`), never served. At start the folder's files are indexed
+from their headers alone (a restarted daemon serves them: warm restarts); payloads are checked when read.
+
+Files are written whole (a fresh name, then a rename) and the tier holds the least recently used out when a
+page would take it past its budget. The tier is inclusive: a page promoted back into a pool keeps its file,
+so that evicting it again costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from memory_daemon.prefix import MAX_KEY_BYTES
+from pagedserve.plumbing.private import private_folder, write_private_file
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"pagedserve-kv-page-1\n"
+SUFFIX = ".kvpage"
+DIGEST_BYTES = 32
+# After MAGIC: fingerprint, payload digest, payload bytes, key, parent and token counts.
+_FIXED = struct.Struct(f"<{DIGEST_BYTES}s{DIGEST_BYTES}sQHHH")
+_MAX_TOKENS = 1024  # a page's tokens (PoolShape's page_size limit)
+
+
+def fingerprint(model_id: str, shape: object) -> bytes:
+    """What a page on disk must have been made by: the model's id and the pool's geometry (its str)."""
+    return hashlib.blake2b(f"{model_id}\0{shape}".encode(), digest_size=DIGEST_BYTES).digest()
+
+
+class StoredPage(NamedTuple):
+    key: bytes
+    parent: bytes
+    token_ids: tuple[int, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class TierCounts:
+    """The tier's size and traffic since the daemon started: pages and bytes on disk, pages written
+    (demotions) and read back (promotions), with their bytes and the seconds reads took, and files refused."""
+
+    capacity_bytes: int = 0
+    pages: int = 0
+    bytes: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    promote_seconds: float = 0.0
+    dropped: int = 0  # held out for room
+    rejected: int = 0  # truncated, corrupt, foreign or planted files, deleted unread
+
+
+class DiskTier:
+    def __init__(self, folder: str | Path, capacity_bytes: int) -> None:
+        self.folder = private_folder(folder)
+        self.capacity_bytes = capacity_bytes
+        self._size_of: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._bytes = 0
+        self._counts = dict.fromkeys(
+            ("demotions", "promotions", "bytes_written", "bytes_read", "dropped", "rejected"), 0
+        )
+        self._promote_seconds = 0.0
+        self._index_folder()
+
+    def counts(self) -> TierCounts:
+        return TierCounts(
+            capacity_bytes=self.capacity_bytes,
+            pages=len(self._size_of),
+            bytes=self._bytes,
+            promote_seconds=self._promote_seconds,
+            **self._counts,
+        )
+
+    def has(self, owner: bytes, key: bytes) -> bool:
+        return file_name(owner, key) in self._size_of
+
+    def put(self, owner: bytes, page: StoredPage) -> bool:
+        """Keep page for owner (a fingerprint); False if it is there already or cannot fit the budget."""
+        name = file_name(owner, page.key)
+        if name in self._size_of:
+            self._size_of.move_to_end(name)
+            return False
+        data = _encode(owner, page)
+        if len(data) > self.capacity_bytes:
+            return False
+        while self._bytes + len(data) > self.capacity_bytes:
+            self._remove(next(iter(self._size_of)))
+            self._counts["dropped"] += 1
+        write_private_file(self.folder / name, data)
+        self._size_of[name] = len(data)
+        self._bytes += len(data)
+        self._counts["demotions"] += 1
+        self._counts["bytes_written"] += len(data)
+        return True
+
+    def get(self, owner: bytes, key: bytes) -> StoredPage | None:
+        """The page owner keeps under key, checked whole; None if it is not here or fails a check (then it
+        is deleted and counted)."""
+        name = file_name(owner, key)
+        if name not in self._size_of:
+            return None
+        started = time.perf_counter()
+        data = self._read_checked(name, self._size_of[name])
+        if data is None:
+            return None
+        page = _decode(data, owner, key)
+        if page is None:
+            self._reject(name, "its contents do not match its name, or its payload its digest")
+            return None
+        self._size_of.move_to_end(name)
+        self._counts["promotions"] += 1
+        self._counts["bytes_read"] += len(data)
+        self._promote_seconds += time.perf_counter() - started
+        return page
+
+    def discard(self, owner: bytes, key: bytes) -> None:
+        name = file_name(owner, key)
+        if name in self._size_of:
+            self._remove(name)
+
+    def discard_owner(self, owner: bytes) -> int:
+        """Delete every page of owner's; returns how many (their headers are read to know whose they are)."""
+        names = [name for name in list(self._size_of) if self._owner_of(name) == owner]
+        for name in names:
+            self._remove(name)
+        return len(names)
+
+    # Internals -------------------------------------------------------------------------------------
+
+    def _index_folder(self) -> None:
+        """Index the files a daemon before this one left, oldest first, from their headers."""
+        found = []
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(".partial"):  # a write that a crash cut short
+                os.unlink(entry.path)
+                continue
+            if not entry.name.endswith(SUFFIX):
+                continue
+            info = entry.stat(follow_symlinks=False)
+            found.append((info.st_mtime_ns, entry.name, info.st_size))
+        for _, name, size in sorted(found):
+            header = self._read_checked(name, size, header_only=True)
+            if header is None:
+                continue
+            if file_name(*_header_owner_key(header)) != name:
+                self._reject(name, "it is not a page file this daemon wrote")
+                continue
+            self._size_of[name] = size
+            self._bytes += size
+        while self._bytes > self.capacity_bytes:  # the budget may have shrunk since
+            self._remove(next(iter(self._size_of)))
+        if self._size_of:
+            log.info(
+                "disk tier %s: %d pages from before (%d bytes)", self.folder, len(self._size_of), self._bytes
+            )
+
+    def _owner_of(self, name: str) -> bytes | None:
+        header = self._read_checked(name, self._size_of[name], header_only=True)
+        return None if header is None else _header_owner_key(header)[0]
+
+    def _read_checked(self, name: str, size: int, header_only: bool = False) -> bytes | None:
+        """The file's bytes (or its first header's worth), if it passes the ownership and size checks; a
+        file that does not is deleted and counted."""
+        try:
+            fd = os.open(self.folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:  # gone, or a symlink (ELOOP)
+            self._reject(name, f"it cannot be opened as a plain file ({exc.strerror})")
+            return None
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(fd)
+            problem = _file_problem(info, size)
+            if problem is not None:
+                self._reject(name, problem)
+                return None
+            return file.read(_header_limit() if header_only else size)
+
+    def _reject(self, name: str, why: str) -> None:
+        log.warning("disk tier: deleting %s unread: %s", self.folder / name, why)
+        self._counts["rejected"] += 1
+        if name in self._size_of:
+            self._bytes -= self._size_of.pop(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.folder / name)
+
+    def _remove(self, name: str) -> None:
+        self._bytes -= self._size_of.pop(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.folder / name)
+
+
+def _file_problem(info: os.stat_result, size: int) -> str | None:
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"it belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    if info.st_mode & 0o077:
+        return f"it is open to others (mode {stat.S_IMODE(info.st_mode):04o}); it must be 0600"
+    if info.st_nlink != 1:
+        return f"it has {info.st_nlink} links, not one"
+    if info.st_size != size:
+        return f"it holds {info.st_size} bytes, not the {size} indexed"
+    return None
+
+
+def file_name(owner: bytes, key: bytes) -> str:
+    """The name of the file that holds owner's page under key."""
+    return hashlib.blake2b(owner + key, digest_size=20).hexdigest() + SUFFIX
+
+
+def _encode(owner: bytes, page: StoredPage) -> bytes:
+    digest = hashlib.blake2b(page.payload, digest_size=DIGEST_BYTES).digest()
+    fixed = _FIXED.pack(
+        owner, digest, len(page.payload), len(page.key), len(page.parent), len(page.token_ids)
+    )
+    tokens = struct.pack(f"<{len(page.token_ids)}I", *page.token_ids)
+    return b"".join((MAGIC, fixed, page.key, page.parent, tokens, page.payload))
+
+
+def _header_limit() -> int:
+    return len(MAGIC) + _FIXED.size + 2 * MAX_KEY_BYTES + 4 * _MAX_TOKENS
+
+
+def _header_owner_key(data: bytes) -> tuple[bytes, bytes]:
+    """(fingerprint, key) from a file's first bytes; empty ones where the header is malformed."""
+    fields = _fields(data)
+    return (fields[0], fields[3]) if fields else (b"", b"")
+
+
+def _fields(data: bytes) -> tuple[bytes, bytes, int, bytes, bytes, tuple[int, ...], int] | None:
+    """(fingerprint, payload digest, payload size, key, parent, tokens, where the payload starts)."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _FIXED.size:
+        return None
+    owner, digest, size, key_len, parent_len, tokens = _FIXED.unpack_from(data, len(MAGIC))
+    if key_len > MAX_KEY_BYTES or parent_len > MAX_KEY_BYTES or tokens > _MAX_TOKENS:
+        return None
+    at = len(MAGIC) + _FIXED.size
+    key, parent = data[at : at + key_len], data[at + key_len : at + key_len + parent_len]
+    at += key_len + parent_len
+    if len(data) < at + 4 * tokens:
+        return None
+    token_ids = struct.unpack_from(f"<{tokens}I", data, at)
+    return owner, digest, size, key, parent, token_ids, at + 4 * tokens
+
+
+def _decode(data: bytes, owner: bytes, key: bytes) -> StoredPage | None:
+    fields = _fields(data)
+    if fields is None:
+        return None
+    found_owner, digest, size, found_key, parent, token_ids, start = fields
+    payload = data[start:]
+    if (found_owner, found_key) != (owner, key) or len(payload) != size:
+        return None
+    if hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest() != digest:
+        return None
+    return StoredPage(found_key, parent, token_ids, payload)

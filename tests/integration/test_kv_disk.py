@@ -1,0 +1,194 @@
+"""The daemon's disk tier on real processes: a daemon started with --kv-disk, worker stand-ins attached over
+its socket (tests/integration/kv_agent.py), and the pages' bytes checked through the workers' own maps of
+the pool. Evicted pages come back on a lookup, also from a daemon restarted after a SIGKILL; a file damaged
+on disk is refused and the chain stops there; the books balance (`check_invariants`) at every step."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from memory_daemon.disk_tier import file_name, fingerprint
+from memory_daemon.prefix import page_keys
+from memory_daemon.wire import counts_from_pb
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc
+from services.client import generate_request
+from tests.clients import Scrape, every_page_accounted, internal_channel
+from tests.integration.kv_agent import SHAPE
+from tests.procs import DaemonProcess, KVAgent, start_daemon, start_stack
+from tests.waiting import wait_until
+
+PROMPT = list(range(12))  # three pages of SHAPE's four tokens
+POOL_PAGES = 12
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    return tmp_path / "kv-disk"
+
+
+def start(run_dir: Path, disk: Path) -> DaemonProcess:
+    return start_daemon(run_dir, "--kv-disk", str(disk), "--kv-disk-size", "1MiB")
+
+
+def checked_counts(daemon: DaemonProcess) -> memory_pb2.PoolStats:
+    with internal_channel(daemon.address) as channel:
+        stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(
+            memory_pb2.GetStatsRequest(check_invariants=True)
+        )
+    (pool,) = stats.pools
+    return counts_from_pb(pool)
+
+
+@pytest.fixture
+def daemons(run_dir: Path) -> Iterator[list[DaemonProcess]]:
+    started: list[DaemonProcess] = []
+    yield started
+    for daemon in started:
+        daemon.kill()
+        shutil.rmtree(daemon.shm_dir, ignore_errors=True)
+
+
+def publish_prompt(daemon: DaemonProcess) -> None:
+    """An agent writes the prompt's three pages (values 1, 2, 3), publishes them and goes away."""
+    writer = KVAgent(daemon.address, "writer", num_pages=POOL_PAGES)
+    pages = writer("allocate", n=3)
+    for value, page in enumerate(pages, start=1):
+        writer("write", pages=[page], value=float(value))
+    assert writer("publish", tokens=PROMPT, pages=pages) == 3
+    writer("free", pages=pages)
+    assert writer.close() == 0
+
+
+def evict_everything(daemon: DaemonProcess) -> None:
+    """An agent takes every page the pool can give, which evicts every cached page, then goes away."""
+    counts = checked_counts(daemon)
+    hog = KVAgent(daemon.address, "hog", num_pages=POOL_PAGES)
+    assert hog("allocate", n=counts.free_pages + counts.evictable_pages) is not None
+    assert checked_counts(daemon).cached_pages == 0
+    assert hog.close() == 0
+
+
+def looked_up(daemon: DaemonProcess) -> list[float | None]:
+    """What a fresh agent finds for the prompt (and a token past it): each found page's value."""
+    reader = KVAgent(daemon.address, "reader", num_pages=POOL_PAGES)
+    try:
+        found = reader("lookup", tokens=[*PROMPT, 99])
+        return reader("read", pages=found)  # type: ignore[return-value]
+    finally:
+        reader.close()
+
+
+def prompt_on_disk(run_dir: Path, disk: Path) -> DaemonProcess:
+    """A daemon whose pool had the prompt's pages, and evicted them to disk."""
+    daemon = start(run_dir, disk)
+    publish_prompt(daemon)
+    evict_everything(daemon)
+    return daemon
+
+
+def restart(killed: DaemonProcess, disk: Path, tmp_path: Path) -> DaemonProcess:
+    """A new daemon on the same disk folder, after killed was SIGKILLed (no chance to write anything)."""
+    killed.kill()
+    run_dir = tmp_path / "again"
+    run_dir.mkdir(mode=0o700)
+    return start(run_dir, disk)
+
+
+def test_evicted_pages_come_back_from_disk_and_outlive_a_daemon_killed(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    daemons.append(prompt_on_disk(run_dir, disk))
+    assert len(list(disk.glob("*.kvpage"))) == 3, "the three evicted pages were demoted"
+    assert looked_up(daemons[0]) == [1.0, 2.0, 3.0]
+    after = checked_counts(daemons[0])
+    assert (after.cached_pages, after.prefix_hit_pages) == (3, 3)
+    assert {usage.name for usage in after.publishers} == {"(a lower tier)"}
+
+    daemons.append(restart(daemons[0], disk, tmp_path))
+    assert looked_up(daemons[1]) == [1.0, 2.0, 3.0], "a warm restart serves the pages from disk"
+    assert checked_counts(daemons[1]).cached_pages == 3
+
+
+def test_a_page_damaged_on_disk_is_refused_and_the_prefix_stops_before_it(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    daemons.append(prompt_on_disk(run_dir, disk))
+    second_key = page_keys(PROMPT, SHAPE.page_size)[1]
+    damaged = disk / file_name(fingerprint("test-model", SHAPE), second_key)
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x01  # one bit of the payload
+    damaged.write_bytes(bytes(data))
+
+    daemons.append(restart(daemons[0], disk, tmp_path))
+    assert looked_up(daemons[1]) == [1.0], "the first page only: the second failed its digest"
+    assert not damaged.exists()
+    assert len(list(disk.glob("*.kvpage"))) == 2
+
+
+def refused(run_dir: Path, *extra: str) -> str:
+    """The daemon run with extra flags: it must exit non-zero; returns what it said."""
+    command = [sys.executable, "-m", "memory_daemon", "--address", f"unix:{run_dir}/daemon.sock", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_a_disk_tier_without_a_budget_on_cuda_or_in_an_open_folder_is_refused(
+    run_dir: Path, disk: Path
+) -> None:
+    for extra, message in (
+        (("--kv-disk", str(disk)), "--kv-disk DIR and --kv-disk-size SIZE"),
+        (("--kv-disk-size", "1GiB"), "--kv-disk DIR and --kv-disk-size SIZE"),
+        (("--kv-disk", str(disk), "--kv-disk-size", "1GiB", "--device", "cuda"), "CPU pools"),
+    ):
+        assert message in refused(run_dir, *extra)
+    assert not disk.exists()
+    disk.mkdir(mode=0o755)
+    disk.chmod(0o755)  # other users could read the pages, or plant their own
+    assert "open to others" in refused(run_dir, "--kv-disk", str(disk), "--kv-disk-size", "1GiB")
+
+
+def test_a_prompt_served_from_disk_gives_the_same_greedy_tokens(run_dir: Path, disk: Path) -> None:
+    """The whole stack on the default model with a pool of a few dozen pages: a prompt's pages, pushed out
+    of the pool by other prompts, come back from disk, and the same prompt gives the same greedy tokens
+    from them (its prompt tokens counted as cached), with the books balanced."""
+    stack = start_stack(run_dir, "--kv-memory", "24MiB", "--kv-disk", str(disk), "--kv-disk-size", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            def complete(prompt: str) -> pb.GenerateResponse:
+                return stub.Complete(generate_request(prompt=prompt, max_tokens=12, temperature=0.0))
+
+            prompt = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(24))
+            first = complete(prompt)
+            for other in range(6):  # each about as long, none sharing a page with it
+                complete(f"Story {other}: " + " ".join(f"{other} then {i}." for i in range(60)))
+            daemon = json.loads((stack.run_dir / "endpoints.json").read_text())["daemon"]
+
+            def tier(counter: str) -> float:
+                return Scrape(daemon["metrics"])(f"pagedserve_kv_tier_{counter}_total", tier="disk")
+
+            wait_until(lambda: tier("demotions") > 0, 5, "the pool's evictions to reach the disk")
+            assert tier("promotions") == 0
+            again = complete(prompt)
+            assert list(again.token_ids) == list(first.token_ids) and again.text == first.text
+            cached_pages = again.usage.cached_prompt_tokens // 16
+            assert (
+                cached_pages == (first.usage.prompt_tokens - 1) // 16
+            )  # every full page but the last token's
+            # All of them from disk (the metrics' snapshot is at most half a second old).
+            wait_until(lambda: tier("promotions") == cached_pages, 5, f"{cached_pages} promotions")
+            wait_until(lambda: every_page_accounted(daemon["address"]), 10, "every page back in the books")
+    finally:
+        assert stack.stop() == 0, stack.log()

@@ -1,0 +1,172 @@
+"""The disk tier on a real folder: pages kept and read back whole, the budget, a restart's index, and every
+file it must refuse (truncated, corrupt, another model's, renamed, planted as a symlink, open to others)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from memory_daemon.disk_tier import DiskTier, StoredPage, fingerprint
+from memory_daemon.ledger import PageLedger
+from memory_daemon.prefix import Published, page_keys
+from memory_daemon.publishers import PROMOTED
+from memory_daemon.shape import PoolShape
+from memory_daemon.tiers import PageCopier, PoolTier
+from pagedserve.plumbing.errors import PermissionDenied
+
+OWNER = fingerprint("model-a", "shape")
+PAYLOAD = bytes(range(256)) * 8
+
+
+def page(key: bytes, payload: bytes = PAYLOAD) -> StoredPage:
+    return StoredPage(key, b"parent-" + key, (1, 2, 3, 4), payload)
+
+
+def files(tier: DiskTier) -> list[Path]:
+    return sorted(tier.folder.glob("*.kvpage"))
+
+
+def test_a_page_comes_back_whole_and_the_budget_holds_the_most_recent(tmp_path: Path) -> None:
+    size = len(PAYLOAD) + 200  # a page's file: the payload and its header
+    tier = DiskTier(tmp_path / "tier", 3 * size)
+    assert oct(tier.folder.stat().st_mode & 0o777) == "0o700"
+    for key in (b"k1", b"k2", b"k3"):
+        assert tier.put(OWNER, page(key))
+    assert not tier.put(OWNER, page(b"k1"))  # kept already
+    assert tier.get(OWNER, b"k1") == page(b"k1")  # and now the most recent
+    assert tier.put(OWNER, page(b"k4"))  # over the budget: k2, the least recent, goes
+    assert [tier.has(OWNER, key) for key in (b"k1", b"k2", b"k3", b"k4")] == [True, False, True, True]
+    assert tier.get(fingerprint("model-b", "shape"), b"k1") is None  # another model's key is not ours
+    assert tier.get(fingerprint("model-a", "other shape"), b"k1") is None
+    counts = tier.counts()
+    assert (counts.pages, counts.demotions, counts.promotions, counts.dropped) == (3, 4, 1, 1)
+    assert counts.bytes == sum(path.stat().st_size for path in files(tier)) <= counts.capacity_bytes
+    assert all(oct(path.stat().st_mode & 0o777) == "0o600" for path in files(tier))
+
+
+def test_a_restarted_tier_serves_what_the_last_left(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, 1 << 20)
+    first.put(OWNER, page(b"k1"))
+    first.put(OWNER, page(b"k2", PAYLOAD[::-1]))
+    (tmp_path / ".x.kvpage.1.ab.partial").write_bytes(b"half a page")  # a write a crash cut short
+
+    second = DiskTier(tmp_path, 1 << 20)
+    assert second.counts().pages == 2 and second.counts().rejected == 0
+    assert second.get(OWNER, b"k2") == page(b"k2", PAYLOAD[::-1])
+    assert not list(tmp_path.glob("*.partial"))
+    assert DiskTier(tmp_path, 1000).counts().pages == 0  # a smaller budget drops what no longer fits
+
+
+def damage_truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def damage_flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def damage_open_to_others(path: Path) -> None:
+    path.chmod(0o644)
+
+
+def damage_link(path: Path) -> None:
+    os.link(path, path.with_name("second-name"))
+
+
+def file_of(tier: DiskTier, key: bytes) -> Path:
+    """The file that holds key's page (its header names the parent, b"parent-" + key)."""
+    (path,) = [path for path in files(tier) if b"parent-" + key in path.read_bytes()]
+    return path
+
+
+@pytest.mark.parametrize("damage", [damage_truncate, damage_flip, damage_open_to_others, damage_link])
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
+def test_a_damaged_file_is_deleted_unread(
+    tmp_path: Path, damage: Callable[[Path], None], restart: bool
+) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.put(OWNER, page(b"k1"))
+    tier.put(OWNER, page(b"k2", PAYLOAD[::-1]))
+    path = file_of(tier, b"k1")
+    damage(path)
+    if restart:
+        tier = DiskTier(tmp_path, 1 << 20)
+    assert tier.get(OWNER, b"k1") is None
+    assert tier.get(OWNER, b"k2") == page(b"k2", PAYLOAD[::-1])
+    assert tier.counts().rejected == 1 and tier.counts().pages == 1
+    assert not path.exists()
+
+
+def test_a_symlink_or_a_file_under_another_pages_name_is_refused(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "tier", 1 << 20)
+    tier.put(OWNER, page(b"k1"))
+    tier.put(OWNER, page(b"k2", PAYLOAD[::-1]))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a page")
+    planted = file_of(tier, b"k2")
+    planted.unlink()
+    os.symlink(secret, planted)  # a symlink where k2's page was
+
+    assert tier.get(OWNER, b"k2") is None and tier.counts().rejected == 1
+    assert secret.read_bytes() == b"not a page" and not planted.is_symlink()
+    renamed = file_of(tier, b"k1").rename(tier.folder / ("0" * 40 + ".kvpage"))  # not its own name
+    restarted = DiskTier(tier.folder, 1 << 20)
+    assert restarted.counts().rejected == 1 and restarted.counts().pages == 0
+    assert not renamed.exists()
+
+
+def test_a_folder_others_can_enter_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "open"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    with pytest.raises(PermissionDenied, match="open to others"):
+        DiskTier(folder, 1 << 20)
+
+
+SHAPE = PoolShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
+
+
+def test_the_ledger_demotes_on_eviction_and_promotes_on_a_lookup(tmp_path: Path) -> None:
+    """A pool of 4 usable pages: a prefix of two pages published and left idle, then evicted by a lease
+    that takes every page; the pages' bytes go to disk, and a lookup brings them back into free pages, with
+    their bytes, indexed again (the books balance throughout)."""
+    pages = 5
+    memory = mmap.mmap(-1, pages * SHAPE.page_bytes)
+    copier = PageCopier(memory, SHAPE, pages)
+    disk = DiskTier(tmp_path, 1 << 20)
+    ledger = PageLedger(pages, tier=PoolTier(disk, copier, SHAPE))
+    writer, reader = ledger.open_lease("writer", "m"), ledger.open_lease("reader", "m")
+    tokens = list(range(8))
+    keys = page_keys(tokens, SHAPE.page_size)
+    first = ledger.grant(writer, 2)
+    assert first is not None
+    contents = [bytes([page]) * SHAPE.page_bytes for page in (11, 22)]
+    for held, data in zip(first, contents, strict=True):
+        copier.write(held, data)
+    ledger.update(
+        writer, publish=[Published(key, held, b"", ()) for key, held in zip(keys, first, strict=True)]
+    )
+    ledger.update(writer, unref=first)
+    ledger.check_invariants()
+
+    taken = ledger.grant(reader, 4)  # every page: the two cached ones are evicted, and demoted
+    assert taken is not None and len(taken) == 4
+    assert disk.counts().demotions == 2 and ledger.index.cached_pages == 0
+    assert ledger.lookup(reader, keys) == []  # no page to promote into while the pool is full
+    ledger.update(reader, release=taken[:2])
+
+    found = ledger.lookup(reader, keys)
+    assert len(found) == 2 and [copier.read(page) for page in found] == contents
+    assert disk.counts().promotions == 2 and ledger.index.cached_pages == 2
+    assert {usage.name for usage in ledger.counts().publishers} == {PROMOTED}
+    ledger.check_invariants()
+
+    ledger.update(reader, unref=found)
+    assert ledger.flush("m") == 2 and disk.counts().pages == 0  # a flush empties both tiers
+    ledger.check_invariants()
