@@ -59,7 +59,8 @@ class StoredPage(NamedTuple):
 @dataclass(frozen=True)
 class TierCounts:
     """The tier's size and traffic since the daemon started: pages and bytes on disk, pages written
-    (demotions) and read back (promotions), with their bytes and the seconds reads took, and files refused."""
+    (demotions) and installed back in a pool (promotions), the bytes written and read (a read whose page
+    the pool had by then included) and the seconds reads took, and files refused."""
 
     capacity_bytes: int = 0
     pages: int = 0
@@ -119,22 +120,31 @@ class DiskTier:
     def get(self, owner: bytes, key: bytes) -> StoredPage | None:
         """The page owner keeps under key, checked whole; None if it is not here or fails a check (then it
         is deleted and counted)."""
+        found = self.locate(owner, key)
+        return None if found is None else self.settle(read_page(self.folder, found, owner, key))
+
+    def locate(self, owner: bytes, key: bytes) -> Located | None:
+        """Where owner's page under key is, for `read_page` on any thread, then `settle` on this one."""
         name = file_name(owner, key)
-        if name not in self._size_of:
+        return Located(name, self._size_of[name]) if name in self._size_of else None
+
+    def settle(self, read: Read) -> StoredPage | None:
+        """Account for a read_page: a promotion, a file refused (deleted and counted), or one gone since."""
+        if read.page is None:
+            if read.problem is not None:
+                self._reject(read.name, read.problem)
+            elif read.name in self._size_of:
+                self._bytes -= self._size_of.pop(read.name)
             return None
-        started = time.perf_counter()
-        data = self._read_checked(name, self._size_of[name])
-        if data is None:
-            return None
-        page = _decode(data, owner, key)
-        if page is None:
-            self._reject(name, "its contents do not match its name, or its payload its digest")
-            return None
-        self._size_of.move_to_end(name)
+        if read.name in self._size_of:
+            self._size_of.move_to_end(read.name)
+        self._counts["bytes_read"] += read.nbytes
+        self._promote_seconds += read.seconds
+        return read.page
+
+    def promoted(self) -> None:
+        """Count a page read from here and installed in a pool (a read may find the pool has it by then)."""
         self._counts["promotions"] += 1
-        self._counts["bytes_read"] += len(data)
-        self._promote_seconds += time.perf_counter() - started
-        return page
 
     def discard(self, owner: bytes, key: bytes) -> None:
         name = file_name(owner, key)
@@ -162,7 +172,7 @@ class DiskTier:
             info = entry.stat(follow_symlinks=False)
             found.append((info.st_mtime_ns, entry.name, info.st_size))
         for _, name, size in sorted(found):
-            header = self._read_checked(name, size, header_only=True)
+            header = self._header(name, size)
             if header is None:
                 continue
             if file_name(*_header_owner_key(header)) != name:
@@ -178,24 +188,17 @@ class DiskTier:
             )
 
     def _owner_of(self, name: str) -> bytes | None:
-        header = self._read_checked(name, self._size_of[name], header_only=True)
+        header = self._header(name, self._size_of[name])
         return None if header is None else _header_owner_key(header)[0]
 
-    def _read_checked(self, name: str, size: int, header_only: bool = False) -> bytes | None:
-        """The file's bytes (or its first header's worth), if it passes the ownership and size checks; a
-        file that does not is deleted and counted."""
-        try:
-            fd = os.open(self.folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:  # gone, or a symlink (ELOOP)
-            self._reject(name, f"it cannot be opened as a plain file ({exc.strerror})")
+    def _header(self, name: str, size: int) -> bytes | None:
+        """The file's first bytes, a header's worth; None if it fails the file checks (then it is deleted
+        and counted)."""
+        data = _read_file(self.folder / name, size, _header_limit())
+        if isinstance(data, str):
+            self._reject(name, data)
             return None
-        with os.fdopen(fd, "rb") as file:
-            info = os.fstat(fd)
-            problem = _file_problem(info, size)
-            if problem is not None:
-                self._reject(name, problem)
-                return None
-            return file.read(_header_limit() if header_only else size)
+        return data
 
     def _reject(self, name: str, why: str) -> None:
         log.warning("disk tier: deleting %s unread: %s", self.folder / name, why)
@@ -209,6 +212,50 @@ class DiskTier:
         self._bytes -= self._size_of.pop(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.folder / name)
+
+
+class Located(NamedTuple):
+    name: str
+    size: int
+
+
+class Read(NamedTuple):
+    """What read_page found: the page, or why the file was refused, or neither (it is gone)."""
+
+    name: str
+    page: StoredPage | None
+    problem: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def read_page(folder: Path, found: Located, owner: bytes, key: bytes) -> Read:
+    """Read and check one page file; it touches no tier's state, so it runs on any thread (promotions read
+    off the daemon's event loop), and its result goes to the tier's `settle`."""
+    started = time.perf_counter()
+    data = _read_file(folder / found.name, found.size, found.size)
+    if data is None:
+        return Read(found.name, None)
+    if isinstance(data, str):
+        return Read(found.name, None, data)
+    page = _decode(data, owner, key)
+    if page is None:
+        return Read(found.name, None, "its contents do not match its name, or its payload its digest")
+    return Read(found.name, page, None, len(data), time.perf_counter() - started)
+
+
+def _read_file(path: Path, size: int, limit: int) -> bytes | str | None:
+    """Up to limit bytes of path if it passes the file checks (size: what the tier indexed), else why not;
+    None if it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a symlink (ELOOP), a fifo...
+        return f"it cannot be opened as a plain file ({exc.strerror})"
+    with os.fdopen(fd, "rb") as file:
+        problem = _file_problem(os.fstat(fd), size)
+        return problem if problem is not None else file.read(limit)
 
 
 def _file_problem(info: os.stat_result, size: int) -> str | None:

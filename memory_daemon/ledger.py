@@ -49,6 +49,9 @@ class LowerTier(Protocol):
     def promote(self, model_id: str, key: bytes, page: int) -> StoredPage | None:
         """Copy the page kept under key into page; what it is, or None if the tier has it no more."""
 
+    def install(self, page: int, stored: StoredPage) -> None:
+        """Copy a page read from the tier (a prefetch's) into page."""
+
     def forget(self, model_id: str, key: bytes) -> None: ...
 
     def flush(self, model_id: str) -> int: ...
@@ -240,6 +243,44 @@ class PageLedger(RequestChecks):
         self.index.commit()
         return pages
 
+    def promotable(self, model_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys of a chain that the lower tier holds and the pool lacks, up to where neither has one:
+        what a prefetch reads (off the event loop) before `admit_promoted`."""
+        self._check_keys(keys)
+        found = []
+        for key in keys:
+            if self.index.get(model_id, key) is not None:
+                continue
+            if self.tier is None or not self.tier.has(model_id, key):
+                break
+            found.append(key)
+        return found
+
+    def admit_promoted(self, model_id: str, pages: Sequence[StoredPage]) -> int:
+        """Install pages read from the lower tier into free pages (evicting idle ones if need be), cached
+        and unreferenced, the least recently used last; returns how many. A key the pool has by now is
+        skipped, and it stops when the pool has no page to spare."""
+        assert self.tier is not None, "a pool without a lower tier promotes nothing"
+        admitted = 0
+        for stored in pages:
+            if self.index.get(model_id, stored.key) is not None:
+                continue
+            if not self._free:
+                self._evict(1)
+            if not self._free:
+                break
+            page = self._free.pop()
+            self.tier.install(page, stored)
+            self._index_promoted(model_id, page, stored)
+            self.index.mark_idle(page)
+            admitted += 1
+        self.index.commit()
+        return admitted
+
+    def cached_run(self, model_id: str, keys: Sequence[bytes]) -> int:
+        """How many of the chain's leading keys the pool has cached now."""
+        return next((i for i, key in enumerate(keys) if self.index.get(model_id, key) is None), len(keys))
+
     def drop_published(self, *, worker_id: int = 0, name: str = "") -> int:
         """Take every page the lease with worker_id (or every lease named name) published out of the index;
         returns how many. Idle ones go free now, referenced ones when their last reference drops."""
@@ -331,7 +372,10 @@ class PageLedger(RequestChecks):
         if found is None:
             self._free.append(page)
             return None
-        self._state[page] = PageState.SHARED
-        self.index.add(model_id, key, page, found.parent, found.token_ids)
-        self.publishers.record_promoted(page, model_id)
+        self._index_promoted(model_id, page, found)
         return page
+
+    def _index_promoted(self, model_id: str, page: int, stored: StoredPage) -> None:
+        self._state[page] = PageState.SHARED
+        self.index.add(model_id, stored.key, page, stored.parent, stored.token_ids)
+        self.publishers.record_promoted(page, model_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from memory_daemon.export import PoolDescriptor, Storage
 from memory_daemon.ledger import PageLedger
 from memory_daemon.shape import PoolShape
+from memory_daemon.tiers import PoolTier
 
 
 @dataclass(eq=False)
@@ -15,6 +16,7 @@ class Pool:
     shape: PoolShape
     storage: Storage
     ledger: PageLedger
+    tier: PoolTier | None = None  # the disk tier, seen through this pool's memory (also the ledger's)
     model_ids: set[str] = field(default_factory=set)
 
     @property

@@ -25,7 +25,13 @@ from memory_daemon.prefix import Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
 from memory_daemon.tiers import PageCopier, PoolTier
-from memory_daemon.wire import batch_to_pb, descriptor_to_pb, pool_stats_to_pb, shape_from_pb
+from memory_daemon.wire import (
+    batch_to_pb,
+    descriptor_to_pb,
+    pool_stats_to_pb,
+    shape_from_pb,
+    tier_stats_to_pb,
+)
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from pagedserve.plumbing.settings import cuda_index
@@ -63,6 +69,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
                 worker_id=lease.worker_id,
                 pool=descriptor_to_pb(pool.descriptor()),
                 refill_pages=lease.refill.pages,
+                lower_tier=pool.ledger.tier is not None,
             )
             yield memory_pb2.AttachEvent(attached=attached)
             while True:
@@ -118,13 +125,30 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         pool, lease = self._find(request.lease_id)
         return memory_pb2.LookupResponse(pages=pool.ledger.lookup(lease, list(request.keys)))
 
+    async def PrefetchPrefix(
+        self, request: memory_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.PrefetchResponse:
+        pool, lease = self._find(request.lease_id)
+        ledger, keys = pool.ledger, list(request.keys)
+        if len(keys) > ledger.usable_pages:
+            raise InvalidArgument(f"{len(keys)} keys is more than the pool's {ledger.usable_pages} pages")
+        wanted = ledger.promotable(lease.model_id, keys)
+        promoted = 0
+        if wanted and isinstance(pool.tier, PoolTier):
+            reads = await asyncio.to_thread(pool.tier.read(lease.model_id, wanted))
+            promoted = ledger.admit_promoted(lease.model_id, pool.tier.settle(reads))
+        return memory_pb2.PrefetchResponse(promoted=promoted, cached=ledger.cached_run(lease.model_id, keys))
+
     async def GetStats(
         self, request: memory_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.DaemonStats:
         if request.check_invariants:
             for pool in self._pools.values():
                 pool.ledger.check_invariants()
-        return memory_pb2.DaemonStats(pools=[pool_stats_to_pb(pool) for pool in self._pools.values()])
+        disk = None if self._disk is None else tier_stats_to_pb(self._disk.counts())
+        return memory_pb2.DaemonStats(
+            pools=[pool_stats_to_pb(pool) for pool in self._pools.values()], disk=disk
+        )
 
     async def DropPublished(
         self, request: memory_pb2.DropPublishedRequest, context: grpc.aio.ServicerContext
@@ -249,7 +273,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             clock=self._clock,
             tier=tier,
         )
-        pool = Pool(pool_id, shape, storage, ledger)
+        pool = Pool(pool_id, shape, storage, ledger, tier)
         self._pools[shape] = pool
         log.info(
             "pool %d: %d pages of %s (%s), %s", pool_id, num_pages, shape, format_bytes(nbytes), storage.label

@@ -10,8 +10,9 @@ promoted is free until the ledger indexes it, so no worker reads it half written
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
-from memory_daemon.disk_tier import DiskTier, StoredPage, fingerprint
+from memory_daemon.disk_tier import DiskTier, Read, StoredPage, fingerprint, read_page
 from memory_daemon.shape import PoolShape
 
 
@@ -58,7 +59,30 @@ class PoolTier:
         if stored is None or len(stored.payload) != self._shape.page_bytes:
             return None
         self._copier.write(page, stored.payload)
+        self.disk.promoted()
         return stored
+
+    def install(self, page: int, stored: StoredPage) -> None:
+        self._copier.write(page, stored.payload)
+        self.disk.promoted()
+
+    def read(self, model_id: str, keys: list[bytes]) -> Callable[[], list[Read]]:
+        """What reading keys' pages takes: a call that touches no state, for a thread; `settle` its
+        results back on the event loop."""
+        owner = self._owner(model_id)
+        folder = self.disk.folder
+        found = [(located, key) for key in keys if (located := self.disk.locate(owner, key)) is not None]
+        return lambda: [read_page(folder, located, owner, key) for located, key in found]
+
+    def settle(self, reads: list[Read]) -> list[StoredPage]:
+        """The pages read whole, in chain order, up to the first that is not (the rest cannot be reached
+        by a lookup without it); each read accounted for by the disk tier."""
+        pages: list[StoredPage] = []
+        for page in [self.disk.settle(read) for read in reads]:
+            if page is None or len(page.payload) != self._shape.page_bytes:
+                break
+            pages.append(page)
+        return pages
 
     def forget(self, model_id: str, key: bytes) -> None:
         self.disk.discard(self._owner(model_id), key)

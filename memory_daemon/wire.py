@@ -6,6 +6,7 @@ them, shapes, pool handles and counts are dataclasses.
 
 from __future__ import annotations
 
+from memory_daemon.disk_tier import TierCounts
 from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
 from memory_daemon.pool import Pool
 from memory_daemon.prefix_events import Batch, Removed, Stored
@@ -62,6 +63,14 @@ def pool_stats_to_pb(pool: Pool) -> memory_pb2.PoolStats:
         shape=shape_to_pb(pool.shape),
         storage=pool.storage.label,
     )
+
+
+def tier_stats_to_pb(counts: TierCounts) -> memory_pb2.TierStats:
+    return to_message(counts, memory_pb2.TierStats)
+
+
+def tier_counts_from_pb(pb: memory_pb2.TierStats) -> TierCounts:
+    return from_message(TierCounts, pb)
 
 
 def counts_from_pb(pb: memory_pb2.PoolStats) -> PoolCounts:

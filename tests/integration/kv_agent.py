@@ -45,6 +45,8 @@ def handle(cache: DaemonKVCache, command: dict) -> object:
         count = cache.publish(page_keys(command["tokens"], SHAPE.page_size), command["pages"])
         cache.flush()
         return count
+    if op == "promote":
+        return cache.promote(page_keys(command["tokens"], SHAPE.page_size))
     if op == "lookup":
         return cache.lookup(page_keys(command["tokens"], SHAPE.page_size))
     if op == "free":

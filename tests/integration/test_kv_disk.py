@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from memory_daemon.disk_tier import file_name, fingerprint
+from memory_daemon.disk_tier import TierCounts, file_name, fingerprint
 from memory_daemon.prefix import page_keys
-from memory_daemon.wire import counts_from_pb
+from memory_daemon.wire import counts_from_pb, tier_counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
@@ -119,6 +119,36 @@ def test_evicted_pages_come_back_from_disk_and_outlive_a_daemon_killed(
     assert checked_counts(daemons[1]).cached_pages == 3
 
 
+def tier_counts(daemon: DaemonProcess) -> TierCounts:
+    with internal_channel(daemon.address) as channel:
+        stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest())
+    assert stats.HasField("disk")
+    return tier_counts_from_pb(stats.disk)
+
+
+def test_a_prefetch_brings_the_chain_back_before_the_lookup(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess]
+) -> None:
+    """PrefetchPrefix (what a worker sends as a request arrives) reads the chain's files off the daemon's
+    loop and installs them as idle cached pages; the lookup then finds them in the pool, reading nothing."""
+    daemons.append(prompt_on_disk(run_dir, disk))
+    before = tier_counts(daemons[0])
+    assert (before.pages, before.demotions, before.promotions, before.rejected) == (3, 3, 0, 0)
+    assert before.bytes == sum(path.stat().st_size for path in disk.glob("*.kvpage"))
+    agent = KVAgent(daemons[0].address, "warm", num_pages=POOL_PAGES)
+    try:
+        assert agent("promote", tokens=[*PROMPT, 99]) == [3, 3]  # 3 promoted, 3 leading pages cached
+        assert agent("promote", tokens=PROMPT) == [0, 3]  # nothing left to bring back
+        counts = checked_counts(daemons[0])
+        assert (counts.cached_pages, counts.evictable_pages) == (3, 3)  # cached, no one holds them yet
+        assert tier_counts(daemons[0]).promotions == 3
+    finally:
+        agent.close()
+    assert looked_up(daemons[0]) == [1.0, 2.0, 3.0]
+    after = tier_counts(daemons[0])
+    assert after.promotions == 3 and after.bytes_read == before.bytes and after.promote_seconds > 0
+
+
 def test_a_page_damaged_on_disk_is_refused_and_the_prefix_stops_before_it(
     run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
 ) -> None:
@@ -188,7 +218,11 @@ def test_a_prompt_served_from_disk_gives_the_same_greedy_tokens(run_dir: Path, d
                 cached_pages == (first.usage.prompt_tokens - 1) // 16
             )  # every full page but the last token's
             # All of them from disk (the metrics' snapshot is at most half a second old).
-            wait_until(lambda: tier("promotions") == cached_pages, 5, f"{cached_pages} promotions")
+            wait_until(
+                lambda: tier("promotions") == cached_pages,
+                5,
+                lambda: f"{cached_pages} promotions, not {tier('promotions')}",
+            )
             wait_until(lambda: every_page_accounted(daemon["address"]), 10, "every page back in the books")
     finally:
         assert stack.stop() == 0, stack.log()

@@ -539,3 +539,21 @@ def test_a_dry_pool_first_takes_back_the_pages_a_launched_step_held(model: Causa
     assert waits and one_by_one.scheduler.preemptions > 0
     # A request whose last token is on its way holds its pages a step longer, so the pool runs dry sooner.
     assert engine.scheduler.preemptions >= one_by_one.scheduler.preemptions
+
+
+def test_a_new_request_warms_the_keys_its_lookup_will_ask_for(model: CausalLM) -> None:
+    """As a request arrives (new_sequence, on the caller's thread), the pool is asked to bring back from a
+    lower tier the pages the scheduler's lookup will want: every full page but the last token's, the
+    request's salt in the chain; none without prefix caching."""
+    engine = make_engine(model, "off")
+    warmed: list[list[bytes]] = []
+    with mock.patch.object(engine.kv, "warm", side_effect=lambda keys: warmed.append(list(keys))):
+        prompt = tuple(range(5, 18))  # 13 tokens: three full pages of 4 before the last token
+        seq = engine.new_sequence(0, EngineRequest(prompt, GREEDY, cache_salt="tenant-a"))
+        assert warmed == [seq.page_keys(3, 4)] and len(warmed[0]) == 3
+        engine.add(seq)
+        engine.run_until_done()
+        assert engine.scheduler.cached_prompt_tokens == 0  # the local pool holds nothing yet
+        off = EngineCore(model, engine.kv, EngineConfig(prefix_caching=False))
+        off.new_sequence(1, EngineRequest(prompt, GREEDY))
+        assert len(warmed) == 1

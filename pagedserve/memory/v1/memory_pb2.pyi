@@ -69,16 +69,18 @@ class PoolDescriptor(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., num_pages: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("lease_id", "worker_id", "pool", "refill_pages")
+    __slots__ = ("lease_id", "worker_id", "pool", "refill_pages", "lower_tier")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REFILL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOWER_TIER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     worker_id: int
     pool: PoolDescriptor
     refill_pages: int
-    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., refill_pages: _Optional[int] = ...) -> None: ...
+    lower_tier: bool
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., refill_pages: _Optional[int] = ..., lower_tier: _Optional[bool] = ...) -> None: ...
 
 class Reclaim(_message.Message):
     __slots__ = ("pages",)
@@ -162,6 +164,22 @@ class LookupResponse(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("lease_id", "keys")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("promoted", "cached")
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    promoted: int
+    cached: int
+    def __init__(self, promoted: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("check_invariants",)
     CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
@@ -234,11 +252,37 @@ class PoolStats(_message.Message):
     publishers: _containers.RepeatedCompositeFieldContainer[PublisherUsage]
     def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_queried_pages: _Optional[int] = ..., prefix_hit_pages: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerUsage, _Mapping]]] = ..., storage: _Optional[str] = ..., publishers: _Optional[_Iterable[_Union[PublisherUsage, _Mapping]]] = ...) -> None: ...
 
+class TierStats(_message.Message):
+    __slots__ = ("capacity_bytes", "pages", "bytes", "demotions", "promotions", "bytes_written", "bytes_read", "promote_seconds", "dropped", "rejected")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    pages: int
+    bytes: int
+    demotions: int
+    promotions: int
+    bytes_written: int
+    bytes_read: int
+    promote_seconds: float
+    dropped: int
+    rejected: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., promote_seconds: _Optional[float] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
 class DaemonStats(_message.Message):
-    __slots__ = ("pools",)
+    __slots__ = ("pools", "disk")
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
+    disk: TierStats
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
 
 class DropPublishedRequest(_message.Message):
     __slots__ = ("worker_id", "worker_name", "pool_id")

@@ -54,6 +54,11 @@ class MemoryDaemonStub:
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.PrefetchPrefix = channel.unary_unary(
+                '/pagedserve.memory.v1.MemoryDaemon/PrefetchPrefix',
+                request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pagedserve.memory.v1.MemoryDaemon/GetStats',
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.GetStatsRequest.SerializeToString,
@@ -101,6 +106,15 @@ class MemoryDaemonServicer:
 
     def LookupPrefix(self, request, context):
         """Returns the longest cached run of pages for a chain of page keys, taking a reference on each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchPrefix(self, request, context):
+        """Brings the pages of a chain that the pool lacks and a lower tier (--kv-disk) holds back into the pool,
+        as cached pages no one references, so that the lookup that follows finds them there: a worker sends it
+        when a request arrives, before its engine schedules it. Files are read off the daemon's event loop.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,6 +171,11 @@ def add_MemoryDaemonServicer_to_server(servicer, server):
                     servicer.LookupPrefix,
                     request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupRequest.FromString,
                     response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupResponse.SerializeToString,
+            ),
+            'PrefetchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchPrefix,
+                    request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefetchRequest.FromString,
+                    response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefetchResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -287,6 +306,33 @@ class MemoryDaemon:
             '/pagedserve.memory.v1.MemoryDaemon/LookupPrefix',
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupRequest.SerializeToString,
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.memory.v1.MemoryDaemon/PrefetchPrefix',
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefetchRequest.SerializeToString,
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,6 +27,7 @@ from services.worker.core.model_runner import ModelRunner, StepInFlight
 from services.worker.core.scheduler import Plan, Scheduler
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.kv.base import KVCache
+from services.worker.kv.groups import group_key
 from services.worker.models import CausalLM
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,18 @@ class EngineCore:
                 raise Unimplemented("this engine was started without structured outputs (no tokenizer)")
             grammar = self.grammars.state_later(request.options.structured)
         follows = (key[0], request.follows) if request.follows and isinstance(key, tuple) else None
-        return Sequence(key, request, next(self._arrivals), follows, grammar)
+        seq = Sequence(key, request, next(self._arrivals), follows, grammar)
+        if self.config.prefix_caching:
+            self._warm(seq)
+        return seq
+
+    def _warm(self, seq: Sequence) -> None:
+        """Ask the pool to bring the prompt's pages back from a lower tier before the scheduler looks them
+        up (KVCache.warm, in the background): the keys each group's lookup will ask for."""
+        size = self.kv.page_size
+        keys = seq.page_keys((seq.num_tokens - 1) // size, size)
+        for group in range(len(self.scheduler.windows)):
+            self.kv.warm([group_key(key, group) for key in keys])
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

@@ -138,6 +138,12 @@ class KVCache(ABC):
         lookup finds them."""
         return True  # for a cache whose updates apply when they are made
 
+    def warm(self, keys: Sequence[bytes]) -> None:
+        """A request for keys' chain has arrived: have the pool's owner bring pages of it that sit in a lower
+        tier back into the pool, in the background, before the lookup; any thread may call it. Nothing to
+        do for a pool without one."""
+        return None
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The cached pages for the longest matching run of keys, each held by one reference; pages this
         cache published are found once `delivered`."""

@@ -16,6 +16,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,9 @@ class DaemonKVCache(KVCache):
         self.lease_id = attached.lease_id
         self.worker_id = attached.worker_id
         self.pool_id = attached.pool.pool_id
+        self.lower_tier = attached.lower_tier
+        # One thread sends the warm-ups, in arrival order, so that none waits on the engine's path.
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kv-warm") if self.lower_tier else None
         super().__init__(self._map(attached.pool, shape, shm_dir), shape, attached.refill_pages)
         self._cond = threading.Condition(self._lock)
         self._pending = _Batch()
@@ -156,6 +160,24 @@ class DaemonKVCache(KVCache):
             what = f"map the pool from {self.address}"
             raise DaemonError(what, grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
 
+    def warm(self, keys: Sequence[bytes]) -> None:
+        if self._warmer is not None and keys:
+            self._warmer.submit(self._warm_quietly, list(keys))
+
+    def promote(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Bring keys' pages that the lower tier holds into the pool now: (pages promoted, the chain's
+        leading pages in the pool after)."""
+        request = memory_pb2.PrefetchRequest(lease_id=self.lease_id, keys=keys)
+        reply = self._call("PrefetchPrefix", self._stub.PrefetchPrefix, request)
+        return reply.promoted, reply.cached
+
+    def _warm_quietly(self, keys: list[bytes]) -> None:
+        """A warm-up is an optimisation: the lookup promotes what it did not, so a failure is only logged."""
+        try:
+            self.promote(keys)
+        except DaemonError as exc:
+            log.debug("warming %d pages failed: %s", len(keys), exc)
+
     def stats(self) -> PoolCounts:
         reply = self._call("GetStats", self._stub.GetStats, memory_pb2.GetStatsRequest())
         return next(counts_from_pb(pool) for pool in reply.pools if pool.pool_id == self.pool_id)
@@ -181,6 +203,8 @@ class DaemonKVCache(KVCache):
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        if self._warmer is not None:
+            self._warmer.shutdown(cancel_futures=True)
         self._attach.cancel()
         self._sender.join()
         self._listener.join()
