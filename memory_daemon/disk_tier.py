@@ -12,9 +12,10 @@ a file is read only if it is a regular file (never through a symlink) with one l
 fails any check is deleted and counted (`rejected`), never served. At start the folder's files are indexed
 from their headers alone (a restarted daemon serves them: warm restarts); payloads are checked when read.
 
-Files are written whole (a fresh name, then a rename) and the tier holds the least recently used out when a
-page would take it past its budget. The tier is inclusive: a page promoted back into a pool keeps its file,
-so that evicting it again costs nothing.
+Files are written whole (a fresh name, then a rename), by a thread of the tier's own, so that an eviction
+costs the daemon's event loop a copy of the page and no disk write; the tier holds the least recently used
+out when a page would take it past its budget. The tier is inclusive: a page promoted back into a pool
+keeps its file, so that evicting it again costs nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import stat
 import struct
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,6 +45,8 @@ DIGEST_BYTES = 32
 # After MAGIC: fingerprint, payload digest, payload bytes, key, parent and token counts.
 _FIXED = struct.Struct(f"<{DIGEST_BYTES}s{DIGEST_BYTES}sQHHH")
 _MAX_TOKENS = 1024  # a page's tokens (PoolShape's page_size limit)
+# Pages put and not yet written, at most: past it a demotion is dropped rather than queued.
+PENDING_BYTES = 256 * 2**20
 
 
 def fingerprint(model_id: str, shape: object) -> bytes:
@@ -75,90 +80,155 @@ class TierCounts:
 
 
 class DiskTier:
-    def __init__(self, folder: str | Path, capacity_bytes: int) -> None:
+    """Thread-safe: the daemon's event loop puts and looks up, a writer thread writes (`background`), and
+    promotions read files on threads of their own (`read_page`). A page put is served from memory until
+    its file is written; a page removed meanwhile is never left on disk."""
+
+    def __init__(self, folder: str | Path, capacity_bytes: int, *, background: bool = True) -> None:
         self.folder = private_folder(folder)
         self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
         self._size_of: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
         self._bytes = 0
+        self._pending: dict[str, tuple[bytes, StoredPage]] = {}  # put, not yet written: name -> (owner, page)
+        self._pending_bytes = 0
         self._counts = dict.fromkeys(
             ("demotions", "promotions", "bytes_written", "bytes_read", "dropped", "rejected"), 0
         )
         self._promote_seconds = 0.0
         self._index_folder()
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._writer = None
+        if background:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+            self._writer.start()
+
+    def close(self) -> None:
+        """Write what is still pending (a SIGTERM's restart finds it), then stop the writer."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
 
     def counts(self) -> TierCounts:
-        return TierCounts(
-            capacity_bytes=self.capacity_bytes,
-            pages=len(self._size_of),
-            bytes=self._bytes,
-            promote_seconds=self._promote_seconds,
-            **self._counts,
-        )
+        with self._lock:
+            return TierCounts(
+                capacity_bytes=self.capacity_bytes,
+                pages=len(self._size_of),
+                bytes=self._bytes,
+                promote_seconds=self._promote_seconds,
+                **self._counts,
+            )
 
     def has(self, owner: bytes, key: bytes) -> bool:
-        return file_name(owner, key) in self._size_of
+        with self._lock:
+            return file_name(owner, key) in self._size_of
 
     def put(self, owner: bytes, page: StoredPage) -> bool:
-        """Keep page for owner (a fingerprint); False if it is there already or cannot fit the budget."""
-        name = file_name(owner, page.key)
-        if name in self._size_of:
-            self._size_of.move_to_end(name)
-            return False
-        data = _encode(owner, page)
-        if len(data) > self.capacity_bytes:
-            return False
-        while self._bytes + len(data) > self.capacity_bytes:
-            self._remove(next(iter(self._size_of)))
-            self._counts["dropped"] += 1
-        write_private_file(self.folder / name, data)
-        self._size_of[name] = len(data)
-        self._bytes += len(data)
-        self._counts["demotions"] += 1
-        self._counts["bytes_written"] += len(data)
+        """Keep page for owner (a fingerprint); False if it is there already, cannot fit the budget, or
+        more than PENDING_BYTES wait to be written (then it is counted as dropped)."""
+        name, size = file_name(owner, page.key), _encoded_size(page)
+        with self._lock:
+            if name in self._size_of:
+                self._size_of.move_to_end(name)
+                return False
+            if size > self.capacity_bytes:
+                return False
+            if self._pending_bytes + size > PENDING_BYTES:  # the disk is behind: keep up, not queue up
+                self._counts["dropped"] += 1
+                return False
+            while self._bytes + size > self.capacity_bytes:
+                self._remove(next(iter(self._size_of)))
+                self._counts["dropped"] += 1
+            self._size_of[name] = size
+            self._bytes += size
+            self._pending[name] = (owner, page)
+            self._pending_bytes += size
+        if self._writer is None:
+            self._write(name)
+        else:
+            self._queue.put(name)
         return True
 
     def get(self, owner: bytes, key: bytes) -> StoredPage | None:
         """The page owner keeps under key, checked whole; None if it is not here or fails a check (then it
         is deleted and counted)."""
         found = self.locate(owner, key)
-        return None if found is None else self.settle(read_page(self.folder, found, owner, key))
+        if found is None or isinstance(found, StoredPage):
+            return found
+        return self.settle(read_page(self.folder, found, owner, key))
 
-    def locate(self, owner: bytes, key: bytes) -> Located | None:
-        """Where owner's page under key is, for `read_page` on any thread, then `settle` on this one."""
+    def locate(self, owner: bytes, key: bytes) -> Located | StoredPage | None:
+        """Where owner's page under key is, for `read_page` on any thread, then `settle`; or the page
+        itself while it waits to be written."""
         name = file_name(owner, key)
-        return Located(name, self._size_of[name]) if name in self._size_of else None
+        with self._lock:
+            if name in self._pending:
+                return self._pending[name][1]
+            return Located(name, self._size_of[name]) if name in self._size_of else None
 
     def settle(self, read: Read) -> StoredPage | None:
-        """Account for a read_page: a promotion, a file refused (deleted and counted), or one gone since."""
-        if read.page is None:
-            if read.problem is not None:
-                self._reject(read.name, read.problem)
-            elif read.name in self._size_of:
-                self._bytes -= self._size_of.pop(read.name)
-            return None
-        if read.name in self._size_of:
-            self._size_of.move_to_end(read.name)
-        self._counts["bytes_read"] += read.nbytes
-        self._promote_seconds += read.seconds
-        return read.page
+        """Account for a read_page: a file refused (deleted and counted), one gone since, or a page read."""
+        with self._lock:
+            if read.page is None:
+                if read.problem is not None:
+                    self._reject(read.name, read.problem)
+                elif read.name in self._size_of and read.name not in self._pending:
+                    self._bytes -= self._size_of.pop(read.name)
+                return None
+            if read.name in self._size_of:
+                self._size_of.move_to_end(read.name)
+            self._counts["bytes_read"] += read.nbytes
+            self._promote_seconds += read.seconds
+            return read.page
 
     def promoted(self) -> None:
         """Count a page read from here and installed in a pool (a read may find the pool has it by then)."""
-        self._counts["promotions"] += 1
+        with self._lock:
+            self._counts["promotions"] += 1
 
     def discard(self, owner: bytes, key: bytes) -> None:
         name = file_name(owner, key)
-        if name in self._size_of:
-            self._remove(name)
+        with self._lock:
+            if name in self._size_of:
+                self._remove(name)
 
     def discard_owner(self, owner: bytes) -> int:
         """Delete every page of owner's; returns how many (their headers are read to know whose they are)."""
-        names = [name for name in list(self._size_of) if self._owner_of(name) == owner]
-        for name in names:
-            self._remove(name)
-        return len(names)
+        with self._lock:
+            names = [name for name in list(self._size_of) if self._owner_of(name) == owner]
+            for name in names:
+                self._remove(name)
+            return len(names)
 
-    # Internals -------------------------------------------------------------------------------------
+    # Internals (those that touch the books run under the lock) -------------------------------------
+
+    def _write_loop(self) -> None:
+        while (name := self._queue.get()) is not None:
+            try:
+                self._write(name)
+            except OSError as exc:  # a full disk, say: the page is dropped, the daemon goes on
+                log.warning("disk tier: could not write %s: %s", self.folder / name, exc)
+                with self._lock:
+                    if self._pending.pop(name, None) is not None:
+                        self._pending_bytes -= self._size_of.get(name, 0)
+                        self._bytes -= self._size_of.pop(name, 0)
+                        self._counts["dropped"] += 1
+
+    def _write(self, name: str) -> None:
+        with self._lock:
+            item = self._pending.get(name)
+        if item is None:  # removed before its turn
+            return
+        data = _encode(*item)
+        write_private_file(self.folder / name, data)
+        with self._lock:
+            if self._pending.pop(name, None) is None:  # removed while it was written: so is its file
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.folder / name)
+                return
+            self._pending_bytes -= len(data)
+            self._counts["demotions"] += 1
+            self._counts["bytes_written"] += len(data)
 
     def _index_folder(self) -> None:
         """Index the files a daemon before this one left, oldest first, from their headers."""
@@ -188,6 +258,8 @@ class DiskTier:
             )
 
     def _owner_of(self, name: str) -> bytes | None:
+        if name in self._pending:
+            return self._pending[name][0]
         header = self._header(name, self._size_of[name])
         return None if header is None else _header_owner_key(header)[0]
 
@@ -209,7 +281,10 @@ class DiskTier:
             os.unlink(self.folder / name)
 
     def _remove(self, name: str) -> None:
-        self._bytes -= self._size_of.pop(name)
+        size = self._size_of.pop(name)
+        self._bytes -= size
+        if self._pending.pop(name, None) is not None:
+            self._pending_bytes -= size  # the writer finds it gone, and writes nothing
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.folder / name)
 
@@ -275,6 +350,17 @@ def _file_problem(info: os.stat_result, size: int) -> str | None:
 def file_name(owner: bytes, key: bytes) -> str:
     """The name of the file that holds owner's page under key."""
     return hashlib.blake2b(owner + key, digest_size=20).hexdigest() + SUFFIX
+
+
+def _encoded_size(page: StoredPage) -> int:
+    return (
+        len(MAGIC)
+        + _FIXED.size
+        + len(page.key)
+        + len(page.parent)
+        + 4 * len(page.token_ids)
+        + len(page.payload)
+    )
 
 
 def _encode(owner: bytes, page: StoredPage) -> bytes:

@@ -198,6 +198,8 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         return None if self._disk is None else self._disk.counts()
 
     def close(self) -> None:
+        if self._disk is not None:
+            self._disk.close()
         for pool in self._pools.values():
             pool.storage.close()
         self._pools.clear()

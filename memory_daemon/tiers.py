@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable
 
-from memory_daemon.disk_tier import DiskTier, Read, StoredPage, fingerprint, read_page
+from memory_daemon.disk_tier import DiskTier, Located, Read, StoredPage, fingerprint, read_page
 from memory_daemon.shape import PoolShape
 
 
@@ -69,10 +69,23 @@ class PoolTier:
     def read(self, model_id: str, keys: list[bytes]) -> Callable[[], list[Read]]:
         """What reading keys' pages takes: a call that touches no state, for a thread; `settle` its
         results back on the event loop."""
-        owner = self._owner(model_id)
-        folder = self.disk.folder
-        found = [(located, key) for key in keys if (located := self.disk.locate(owner, key)) is not None]
-        return lambda: [read_page(folder, located, owner, key) for located, key in found]
+        owner, folder = self._owner(model_id), self.disk.folder
+        found: list[tuple[Located | StoredPage, bytes]] = []
+        for key in keys:  # the chain, up to a key the tier no longer has
+            located = self.disk.locate(owner, key)
+            if located is None:
+                break
+            found.append((located, key))
+
+        def run() -> list[Read]:
+            return [
+                Read("", located)
+                if isinstance(located, StoredPage)
+                else read_page(folder, located, owner, key)
+                for located, key in found
+            ]
+
+        return run
 
     def settle(self, reads: list[Read]) -> list[StoredPage]:
         """The pages read whole, in chain order, up to the first that is not (the rest cannot be reached

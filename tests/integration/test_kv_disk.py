@@ -89,10 +89,12 @@ def looked_up(daemon: DaemonProcess) -> list[float | None]:
 
 
 def prompt_on_disk(run_dir: Path, disk: Path) -> DaemonProcess:
-    """A daemon whose pool had the prompt's pages, and evicted them to disk."""
+    """A daemon whose pool had the prompt's pages, and evicted them to disk (its writer thread has written
+    the three files)."""
     daemon = start(run_dir, disk)
     publish_prompt(daemon)
     evict_everything(daemon)
+    wait_until(lambda: len(list(disk.glob("*.kvpage"))) == 3, 10, "the three evicted pages' files")
     return daemon
 
 
@@ -108,7 +110,6 @@ def test_evicted_pages_come_back_from_disk_and_outlive_a_daemon_killed(
     run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
 ) -> None:
     daemons.append(prompt_on_disk(run_dir, disk))
-    assert len(list(disk.glob("*.kvpage"))) == 3, "the three evicted pages were demoted"
     assert looked_up(daemons[0]) == [1.0, 2.0, 3.0]
     after = checked_counts(daemons[0])
     assert (after.cached_pages, after.prefix_hit_pages) == (3, 3)

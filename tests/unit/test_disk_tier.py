@@ -22,6 +22,11 @@ OWNER = fingerprint("model-a", "shape")
 PAYLOAD = bytes(range(256)) * 8
 
 
+def inline(folder: Path, capacity_bytes: int) -> DiskTier:
+    """A tier that writes each page as it is put, so that what is on disk is known at every line."""
+    return DiskTier(folder, capacity_bytes, background=False)
+
+
 def page(key: bytes, payload: bytes = PAYLOAD) -> StoredPage:
     return StoredPage(key, b"parent-" + key, (1, 2, 3, 4), payload)
 
@@ -32,7 +37,7 @@ def files(tier: DiskTier) -> list[Path]:
 
 def test_a_page_comes_back_whole_and_the_budget_holds_the_most_recent(tmp_path: Path) -> None:
     size = len(PAYLOAD) + 200  # a page's file: the payload and its header
-    tier = DiskTier(tmp_path / "tier", 3 * size)
+    tier = inline(tmp_path / "tier", 3 * size)
     assert oct(tier.folder.stat().st_mode & 0o777) == "0o700"
     for key in (b"k1", b"k2", b"k3"):
         assert tier.put(OWNER, page(key))
@@ -50,16 +55,16 @@ def test_a_page_comes_back_whole_and_the_budget_holds_the_most_recent(tmp_path: 
 
 
 def test_a_restarted_tier_serves_what_the_last_left(tmp_path: Path) -> None:
-    first = DiskTier(tmp_path, 1 << 20)
+    first = inline(tmp_path, 1 << 20)
     first.put(OWNER, page(b"k1"))
     first.put(OWNER, page(b"k2", PAYLOAD[::-1]))
     (tmp_path / ".x.kvpage.1.ab.partial").write_bytes(b"half a page")  # a write a crash cut short
 
-    second = DiskTier(tmp_path, 1 << 20)
+    second = inline(tmp_path, 1 << 20)
     assert second.counts().pages == 2 and second.counts().rejected == 0
     assert second.get(OWNER, b"k2") == page(b"k2", PAYLOAD[::-1])
     assert not list(tmp_path.glob("*.partial"))
-    assert DiskTier(tmp_path, 1000).counts().pages == 0  # a smaller budget drops what no longer fits
+    assert inline(tmp_path, 1000).counts().pages == 0  # a smaller budget drops what no longer fits
 
 
 def damage_truncate(path: Path) -> None:
@@ -91,13 +96,13 @@ def file_of(tier: DiskTier, key: bytes) -> Path:
 def test_a_damaged_file_is_deleted_unread(
     tmp_path: Path, damage: Callable[[Path], None], restart: bool
 ) -> None:
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = inline(tmp_path, 1 << 20)
     tier.put(OWNER, page(b"k1"))
     tier.put(OWNER, page(b"k2", PAYLOAD[::-1]))
     path = file_of(tier, b"k1")
     damage(path)
     if restart:
-        tier = DiskTier(tmp_path, 1 << 20)
+        tier = inline(tmp_path, 1 << 20)
     assert tier.get(OWNER, b"k1") is None
     assert tier.get(OWNER, b"k2") == page(b"k2", PAYLOAD[::-1])
     assert tier.counts().rejected == 1 and tier.counts().pages == 1
@@ -105,7 +110,7 @@ def test_a_damaged_file_is_deleted_unread(
 
 
 def test_a_symlink_or_a_file_under_another_pages_name_is_refused(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path / "tier", 1 << 20)
+    tier = inline(tmp_path / "tier", 1 << 20)
     tier.put(OWNER, page(b"k1"))
     tier.put(OWNER, page(b"k2", PAYLOAD[::-1]))
     secret = tmp_path / "secret"
@@ -117,7 +122,7 @@ def test_a_symlink_or_a_file_under_another_pages_name_is_refused(tmp_path: Path)
     assert tier.get(OWNER, b"k2") is None and tier.counts().rejected == 1
     assert secret.read_bytes() == b"not a page" and not planted.is_symlink()
     renamed = file_of(tier, b"k1").rename(tier.folder / ("0" * 40 + ".kvpage"))  # not its own name
-    restarted = DiskTier(tier.folder, 1 << 20)
+    restarted = inline(tier.folder, 1 << 20)
     assert restarted.counts().rejected == 1 and restarted.counts().pages == 0
     assert not renamed.exists()
 
@@ -127,7 +132,7 @@ def test_a_folder_others_can_enter_is_refused(tmp_path: Path) -> None:
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
     with pytest.raises(PermissionDenied, match="open to others"):
-        DiskTier(folder, 1 << 20)
+        inline(folder, 1 << 20)
 
 
 SHAPE = PoolShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
@@ -140,7 +145,7 @@ def test_the_ledger_demotes_on_eviction_and_promotes_on_a_lookup(tmp_path: Path)
     pages = 5
     memory = mmap.mmap(-1, pages * SHAPE.page_bytes)
     copier = PageCopier(memory, SHAPE, pages)
-    disk = DiskTier(tmp_path, 1 << 20)
+    disk = inline(tmp_path, 1 << 20)
     ledger = PageLedger(pages, tier=PoolTier(disk, copier, SHAPE))
     writer, reader = ledger.open_lease("writer", "m"), ledger.open_lease("reader", "m")
     tokens = list(range(8))
@@ -171,3 +176,21 @@ def test_the_ledger_demotes_on_eviction_and_promotes_on_a_lookup(tmp_path: Path)
     ledger.update(reader, unref=found)
     assert ledger.flush("m") == 2 and disk.counts().pages == 0  # a flush empties both tiers
     ledger.check_invariants()
+
+
+def test_the_writer_thread_serves_a_page_before_its_file_and_never_leaves_one_removed(tmp_path: Path) -> None:
+    """With the writer in the background, a page put is found at once (from memory until written); one
+    discarded while it waits is never written; close writes every page still pending."""
+    tier = DiskTier(tmp_path, 1 << 30)
+    pages = [page(b"k%d" % i, bytes([i]) * 100_000) for i in range(40)]
+    for item in pages:
+        assert tier.put(OWNER, item)
+    assert all(tier.get(OWNER, item.key) == item for item in pages)
+    tier.discard(OWNER, b"k7")
+    tier.close()
+    assert tier.counts().pages == 39 and len(files(tier)) == 39
+    assert tier.counts().demotions in (39, 40) and tier.counts().bytes == sum(
+        p.stat().st_size for p in files(tier)
+    )
+    restarted = inline(tmp_path, 1 << 30)
+    assert restarted.get(OWNER, b"k7") is None and restarted.get(OWNER, b"k8") == pages[8]
