@@ -27,23 +27,30 @@ Send = Callable[[BenchRequest], Awaitable[RequestRecord]]
 async def drive(
     requests: list[BenchRequest], send: Send, *, concurrency: int | None, label: str
 ) -> list[RequestRecord]:
-    """Send every request; with a concurrency, keep that many in flight; else follow their arrival times."""
+    """Send every request; with a concurrency, keep that many in flight; else follow their arrival times.
+    A session's turns go one after another, each once the one before has finished."""
     progress = tqdm(total=len(requests), desc=label, unit="req", leave=False)
     slots = asyncio.Semaphore(concurrency or len(requests))
     start = time.perf_counter()
+    chains: dict[object, list[BenchRequest]] = {}
+    for request in requests:
+        key = ("session", request.session) if request.session is not None else ("request", request.index)
+        chains.setdefault(key, []).append(request)
 
-    async def paced(request: BenchRequest) -> RequestRecord:
-        delay = start + request.arrival - time.perf_counter()
+    async def paced(chain: list[BenchRequest]) -> list[RequestRecord]:
+        delay = start + chain[0].arrival - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        async with slots:
-            record = await send(request)
-        progress.update()
-        return record
+        records = []
+        for request in chain:
+            async with slots:
+                records.append(await send(request))
+            progress.update()
+        return records
 
-    records = await asyncio.gather(*(paced(request) for request in requests))
+    done = await asyncio.gather(*(paced(chain) for chain in chains.values()))
     progress.close()
-    return list(records)
+    return sorted((record for records in done for record in records), key=lambda record: record.index)
 
 
 @asynccontextmanager

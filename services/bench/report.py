@@ -93,13 +93,21 @@ def table(runs: list[dict], load_name: str) -> str:
                 f"{s['goodput_requests_per_s']:.2f}",
                 str(sum(s["errors"].values())),
                 share(kv.get("kv_fragmentation"), 1),
-                share(kv.get("prefix_hit_rate"), 0),
+                share(_hit_rate(s, kv), 1),
                 str(int(kv["preemptions"])) if "preemptions" in kv else "-",
             ]
         )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _hit_rate(summary: dict, kv: dict) -> float | None:
+    """Cached prompt tokens over prompt tokens, as the replies' usage counts them (pagedserve's, and an
+    OpenAI server's that reports cached tokens), else as the workers' metrics do."""
+    if summary.get("cached_prompt_tokens") and summary.get("prompt_tokens"):
+        return summary["cached_prompt_tokens"] / summary["prompt_tokens"]
+    return kv.get("prefix_hit_rate")
 
 
 def ratios(runs: list[dict]) -> list[str]:

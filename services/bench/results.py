@@ -82,5 +82,6 @@ def summarize(records: list[RequestRecord], slo: Slo) -> dict:
         "itl_s": percentiles(gaps),
         "goodput_requests_per_s": sum(slo.met(r) for r in records) / duration,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "prompt_tokens": prompt,
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in ok),
     }

@@ -15,12 +15,19 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from memory_daemon.shape import DEFAULT_PAGE_SIZE
 from services.bench import report
 from services.bench.load import drive, flush_prefix_cache, grpc_target
 from services.bench.openai import openai_target
 from services.bench.results import Slo, summarize
 from services.bench.scrape import KvSampler
-from services.bench.workloads import WorkloadSpec, make_requests, with_text, word_tokens
+from services.bench.workloads import (
+    WorkloadSpec,
+    ideal_prefix_hit_rate,
+    make_requests,
+    with_text,
+    word_tokens,
+)
 from services.client import DEFAULT_ADDRESS, Client
 
 
@@ -43,8 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a server to load, repeatable: NAME=host:port for pagedserve's frontend, NAME=http://host:port "
         "for an OpenAI-compatible one (default: pagedserve=--address)",
     )
-    parser.add_argument("--workload", choices=["fixed", "random", "shared-prefix"], default="random")
-    parser.add_argument("--requests", type=int, default=32, help="requests per run")
+    parser.add_argument(
+        "--workload", choices=["fixed", "random", "shared-prefix", "multi-turn"], default="random"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=32, help="requests per run (multi-turn: sessions, of --turns each)"
+    )
+    parser.add_argument(
+        "--turns", type=int, help="multi-turn: turns a session, each sending the whole history (default 6)"
+    )
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_levels, help="requests in flight, e.g. 1,4,16 (one run each)")
     load.add_argument("--rate", type=_levels, help="Poisson arrivals per second, e.g. 0.5,1 (one run each)")
@@ -93,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     targets = dict(_target(text) for text in args.target) or {"pagedserve": args.address}
     nodes = [address for address in targets.values() if not _is_http(address)]
     vocab_size, model_id, connection = _pagedserve_facts(args, nodes[0] if nodes else None)
-    spec = WorkloadSpec.named(args.workload, args.input_len, args.output_len, args.prefix_len)
+    spec = WorkloadSpec.named(args.workload, args.input_len, args.output_len, args.prefix_len, args.turns)
     by_rate = args.rate is not None
     levels = args.rate or args.concurrency or [4.0]
     load_name = "rate (req/s)" if by_rate else "concurrency"
@@ -131,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline == "hf":
         runs += _baselines(args, workloads, slo, records, by_rate)
     args.out.mkdir(parents=True, exist_ok=True)
+    ideal = {
+        level: ideal_prefix_hit_rate(requests, DEFAULT_PAGE_SIZE) for level, requests in workloads.items()
+    }
     config = {
         "workload": vars(spec),
         "requests": args.requests,
@@ -138,12 +155,17 @@ def run(args: argparse.Namespace) -> int:
         "levels": levels,
         "model_id": model_id,
         "targets": targets,
+        # per level: the share of prompt tokens a cache that forgets nothing would hit (multi-turn)
+        "ideal_prefix_hit_rate": {f"{level:g}": rate for level, rate in ideal.items()},
     }
     report.write_json(args.out / "bench.json", config, runs)
     report.plot(args.out / "bench.png", runs, records, load_name)
     print(report.table(runs, load_name))
     for line in report.ratios(runs):
         print(line)
+    for level, rate in ideal.items():
+        if rate is not None:
+            print(f"at {level:g}, a cache that forgets nothing would hit {rate:.1%} of the prompt tokens")
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
     return 0 if all(not run["summary"]["errors"] for run in runs) else 1
 

@@ -66,3 +66,17 @@ def test_poisson_arrivals_behind_a_shared_prefix(stack: Stack, tmp_path: Path) -
     # Requests that arrive after the first one's prefill find the system prompt's 6 pages in the cache.
     assert 0.5 < run["kv"]["prefix_hit_rate"] <= 1.0
     assert run["summary"]["cached_prompt_tokens"] >= 5 * 96
+
+
+def test_sessions_of_several_turns_find_their_history_cached(stack: Stack, tmp_path: Path) -> None:
+    """multi-turn: each turn sends the session's whole history, after the turn before has finished; with a
+    pool that holds every session, the cache hits what a cache that forgets nothing would (each turn's
+    previous prompt, in full pages), and the JSON says that ideal."""
+    result = bench(stack, tmp_path, "--workload", "multi-turn", "--requests", "3", "--turns", "3",
+                   "--concurrency", "3", "--input-len", "20-40", "--output-len", "4-8")  # fmt: skip
+    (run,) = result["runs"]
+    check_run(run, 9)
+    ideal = result["config"]["ideal_prefix_hit_rate"]["3"]
+    summary = run["summary"]
+    assert 0.3 < ideal < 0.8
+    assert summary["cached_prompt_tokens"] / summary["prompt_tokens"] == pytest.approx(ideal)
