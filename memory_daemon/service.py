@@ -52,6 +52,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self._pool_by_lease: dict[str, Pool] = {}
         self._events: dict[str, asyncio.Queue[memory_pb2.AttachEvent]] = {}
         self._disk = DiskTier(config.kv_disk, config.kv_disk_bytes) if config.kv_disk else None
+        # (pool id, model id, key) -> done when a prefetch that is reading it has installed what it read:
+        # a lookup for it waits, rather than read the same file again.
+        self._prefetching: dict[tuple[int, str, bytes], asyncio.Future[None]] = {}
 
     async def Attach(
         self, request: memory_pb2.AttachRequest, context: grpc.aio.ServicerContext
@@ -123,7 +126,16 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self, request: memory_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.LookupResponse:
         pool, lease = self._find(request.lease_id)
-        return memory_pb2.LookupResponse(pages=pool.ledger.lookup(lease, list(request.keys)))
+        keys = list(request.keys)
+        reading = [
+            future
+            for key in keys[: pool.ledger.usable_pages]
+            if (future := self._prefetching.get((pool.pool_id, lease.model_id, key))) is not None
+        ]
+        if reading:
+            await asyncio.wait(reading)
+            pool, lease = self._find(request.lease_id)  # the lease may have ended meanwhile
+        return memory_pb2.LookupResponse(pages=pool.ledger.lookup(lease, keys))
 
     async def PrefetchPrefix(
         self, request: memory_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
@@ -134,9 +146,22 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             raise InvalidArgument(f"{len(keys)} keys is more than the pool's {ledger.usable_pages} pages")
         wanted = ledger.promotable(lease.model_id, keys)
         promoted = 0
-        if wanted and isinstance(pool.tier, PoolTier):
-            reads = await asyncio.to_thread(pool.tier.read(lease.model_id, wanted))
-            promoted = ledger.admit_promoted(lease.model_id, pool.tier.settle(reads))
+        if wanted and pool.tier is not None:
+            marks = [
+                (pool.pool_id, lease.model_id, key)
+                for key in wanted
+                if (pool.pool_id, lease.model_id, key) not in self._prefetching
+            ]
+            done = asyncio.get_running_loop().create_future()
+            for mark in marks:
+                self._prefetching[mark] = done
+            try:
+                reads = await asyncio.to_thread(pool.tier.read(lease.model_id, wanted))
+                promoted = ledger.admit_promoted(lease.model_id, pool.tier.settle(reads))
+            finally:
+                for mark in marks:
+                    del self._prefetching[mark]
+                done.set_result(None)
         return memory_pb2.PrefetchResponse(promoted=promoted, cached=ledger.cached_run(lease.model_id, keys))
 
     async def GetStats(
