@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
+from memory_daemon.pins import Pins
 from memory_daemon.prefix import MAX_KEY_BYTES, PrefixIndex
 from memory_daemon.publishers import Publishers
 from pagedserve.plumbing.errors import FailedPrecondition, Internal, InvalidArgument, PermissionDenied
@@ -23,6 +24,7 @@ class RequestChecks:
     leases: dict[str, Lease]
     index: PrefixIndex
     publishers: Publishers
+    pins: Pins
 
     @property
     def usable_pages(self) -> int:
@@ -58,6 +60,15 @@ class RequestChecks:
                     f"page {page}: not shared, yet referenced or cached",
                 )
             _require((page in self.index) == (page in self.publishers), f"page {page}: index and publishers")
+            if page in self.pins:
+                _require(page in self.index, f"page {page}: pinned, uncached")
+                _require(not self.index.is_idle(page), f"page {page}: pinned, yet evictable")
+        pins = self.pins
+        _require(len(pins) <= pins.budget, f"{len(pins)} pages pinned, over the pool's {pins.budget}")
+        for tenant, pages in pins.by_tenant.items():
+            _require(
+                pages <= pins.tenant_budget, f"tenant {tenant!r} pins {pages}, over {pins.tenant_budget}"
+            )
 
     def _check_page_id(self, page: int) -> None:
         if not NULL_PAGE < page < self.num_pages:

@@ -54,6 +54,17 @@ class DaemonConfig:
     watermark: float = setting(
         0.01, "the fraction of each pool kept free by evicting idle cached pages", check=_fraction
     )
+    pin_share: float = setting(
+        0.1,
+        "the fraction of each pool that pinned pages (cache_ttl_seconds) may hold in all, kept from any one "
+        "request's reach since pins are never evicted",
+        check=_fraction,
+    )
+    tenant_pin_share: float = setting(
+        0.1,
+        "the fraction of each pool that one tenant's pinned pages may hold (at most --pin-share)",
+        check=_fraction,
+    )
     refill: RefillSettings = nested(RefillSettings)
     shutdown_grace_s: float = 2.0
     metrics: MetricsSettings = nested(MetricsSettings)
@@ -64,6 +75,11 @@ class DaemonConfig:
         check_settings(self)
         if (self.kv_disk is None) != (self.kv_disk_bytes <= 0):
             raise InvalidArgument("--kv-disk DIR and --kv-disk-size SIZE (above zero) go together")
+        if self.tenant_pin_share > self.pin_share:
+            raise InvalidArgument(
+                f"--tenant-pin-share {self.tenant_pin_share} is more than --pin-share {self.pin_share}, "
+                "which bounds all tenants' pins together"
+            )
         if self.kv_disk is not None and self.device_kind == "cuda":
             raise InvalidArgument(
                 "--kv-disk takes CPU pools in this version; a CUDA daemon keeps its tier in GPU memory alone"

@@ -11,6 +11,8 @@ With a lower tier (`tier`, memory_daemon/tiers.py: the disk), an evicted page's 
 before the page is freed, and a lookup that misses the pool goes on in the tier: each key found there is
 promoted into a free page (evicting, and so demoting, an idle one if need be), indexed again and returned
 like any hit; its publisher is then the tier (`Publishers.record_promoted`).
+A cached page may be pinned (`pins`: a request's cache_ttl_seconds): it is then never evicted, and so never
+idle in the index's LRU, until its last pin expires; pins are budgeted per tenant and per pool.
 Page 0 is the null page: never leased, so block tables can pad with it. Each indexed page's publisher is
 recorded (`publishers`), so that `drop_published` can take a worker's entries out, also after it went away;
 each call that changes the index ends one batch of its events (`prefix_events`).
@@ -25,16 +27,18 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from memory_daemon.checks import RequestChecks
 from memory_daemon.disk_tier import StoredPage
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
+from memory_daemon.pins import Pins
 from memory_daemon.prefix import PrefixIndex, Published
 from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
-from memory_daemon.stats import PoolCounts
+from memory_daemon.stats import PoolCounts, TenantPins
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument
+from pagedserve.plumbing.pin_limits import check_tenant, check_ttl
 
 
 class LowerTier(Protocol):
@@ -57,6 +61,14 @@ class LowerTier(Protocol):
     def flush(self, model_id: str) -> int: ...
 
 
+class PinRequest(NamedTuple):
+    """Pin the cached pages of a chain of keys for tenant, ttl_s seconds from now (and from each hit)."""
+
+    keys: Sequence[bytes]
+    ttl_s: int
+    tenant: str
+
+
 class PageLedger(RequestChecks):
     def __init__(
         self,
@@ -66,6 +78,8 @@ class PageLedger(RequestChecks):
         refill: RefillSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         tier: LowerTier | None = None,
+        pin_share: float = 0.0,  # no pins unless asked: the daemon's are its config's
+        tenant_pin_share: float = 0.0,
     ) -> None:
         if num_pages < 2:
             raise InvalidArgument(
@@ -79,6 +93,7 @@ class PageLedger(RequestChecks):
         self._refill = refill or RefillSettings()
         self._clock = clock
         self.tier = tier
+        self.pins = Pins(num_pages - 1, pin_share, tenant_pin_share)
         self._state = bytearray(num_pages)
         self._state[NULL_PAGE] = PageState.NULL
         self._holder: list[Lease | None] = [None] * num_pages
@@ -130,6 +145,7 @@ class PageLedger(RequestChecks):
         """
         for name, value in (("need", need), ("consumed", consumed), ("idle", idle)):
             self._check_count(name, value)
+        self._expire_pins()
         lease.refill.observe(consumed, self._clock())
         available = self.free_pages + self.index.evictable_pages
         wanted = max(0, lease.refill.pages - idle)
@@ -139,6 +155,7 @@ class PageLedger(RequestChecks):
 
     def grant(self, lease: Lease, count: int, need: int = 0) -> list[int] | None:
         """Lease `count` pages, or fewer but at least `need`; None if even `need` cannot be had now."""
+        self._expire_pins()
         available = self.free_pages + self.index.evictable_pages
         if need > available:
             return None
@@ -180,6 +197,7 @@ class PageLedger(RequestChecks):
         lease: Lease,
         *,
         publish: Sequence[Published | tuple[bytes, int]] = (),
+        pin: Sequence[PinRequest] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> int:
@@ -187,12 +205,17 @@ class PageLedger(RequestChecks):
 
         publish: leased pages become shared, one reference held by this lease, and are indexed under their
             key unless another page already holds it.
+        pin: the cached pages of each chain are pinned, as far as the tenant's budget goes (`pins`).
         unref: drop one reference per entry.
         release: leased pages go back to the free list.
         """
         items = [Published(*item) for item in publish]
         published = [item.page for item in items]
         self._check_keys([item.key for item in items] + [item.parent for item in items if item.parent])
+        for request in pin:
+            self._check_keys(request.keys)
+            check_ttl(request.ttl_s)
+            check_tenant(request.tenant)
         self._check_leased_by(lease, published, "publish")
         self._check_leased_by(lease, release, "release")
         both = set(published) & set(release)
@@ -211,6 +234,8 @@ class PageLedger(RequestChecks):
             if self.index.add(lease.model_id, item.key, page, item.parent, item.token_ids):
                 self.publishers.record(page, lease)
                 indexed += 1
+        for request in pin:
+            self._pin(lease.model_id, request)
         for page, count in Counter(unref).items():
             self._drop_refs(lease, page, count)
         for page in release:
@@ -225,6 +250,7 @@ class PageLedger(RequestChecks):
             raise InvalidArgument(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
         self._check_keys(keys)
         pages: list[int] = []
+        now = self._clock()
         for key in keys:
             page = self.index.get(lease.model_id, key)
             if page is None:
@@ -233,6 +259,7 @@ class PageLedger(RequestChecks):
                     break
             if self._refs[page] == 0:
                 self.index.mark_busy(page)
+            self.pins.renew(page, now)
             self._refs[page] += 1
             lease.refs[page] += 1
             pages.append(page)
@@ -242,6 +269,13 @@ class PageLedger(RequestChecks):
         self.prefix_hit_pages += len(pages)
         self.index.commit()
         return pages
+
+    def check_pins(self, tenant: str, pages: int, pool_id: int) -> None:
+        """Raise ResourceExhausted, naming the budget, if tenant has no room to pin `pages` more now."""
+        if pages < 0:
+            raise InvalidArgument(f"pages must be at least 0, got {pages}")
+        self._expire_pins()
+        self.pins.check(tenant, pages, pool_id)
 
     def promotable(self, model_id: str, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of a chain that the lower tier holds and the pool lacks, up to where neither has one:
@@ -298,9 +332,15 @@ class PageLedger(RequestChecks):
         returns how many pages left the pool."""
         if self.tier is not None:
             self.tier.flush(model_id)
-        return self._uncache(self.index.idle_pages(model_id))
+        pinned = [
+            page
+            for page in self.pins.pages()
+            if self._refs[page] == 0 and self.index.entry(page).model_id == model_id
+        ]
+        return self._uncache(self.index.idle_pages(model_id) + pinned)
 
     def counts(self) -> PoolCounts:
+        self._expire_pins()
         leased = sum(len(lease.pages) for lease in self.leases.values())
         return PoolCounts(
             total_pages=self.usable_pages,
@@ -316,6 +356,11 @@ class PageLedger(RequestChecks):
             prefix_hit_pages=self.prefix_hit_pages,
             workers=tuple(lease.usage() for lease in self.leases.values()),
             publishers=self.publishers.usage(),
+            pinned_pages=len(self.pins),
+            pin_budget_pages=self.pins.budget,
+            tenant_pin_budget_pages=self.pins.tenant_budget,
+            pins_refused=self.pins.refused,
+            tenants=tuple(TenantPins(tenant, pages) for tenant, pages in sorted(self.pins.by_tenant.items())),
         )
 
     # Internals -------------------------------------------------------------------------------------
@@ -329,6 +374,7 @@ class PageLedger(RequestChecks):
         for page in pages:
             self.index.remove(page)
             self.publishers.forget(page)
+            self.pins.drop(page)
             if self._refs[page] == 0:
                 self._free_page(page)
         self.index.commit()
@@ -340,10 +386,22 @@ class PageLedger(RequestChecks):
             del lease.refs[page]
         self._refs[page] -= count
         if self._refs[page] == 0:
-            if page in self.index:
-                self.index.mark_idle(page)
-            else:
+            if page not in self.index:
                 self._free_page(page)
+            elif page not in self.pins:  # a pinned page turns idle (evictable) when its last pin ends
+                self.index.mark_idle(page)
+
+    def _pin(self, model_id: str, request: PinRequest) -> None:
+        now = self._clock()
+        for key in request.keys:
+            page = self.index.get(model_id, key)
+            if page is not None and self.pins.add(page, request.tenant, request.ttl_s, now):
+                self.index.mark_busy(page)
+
+    def _expire_pins(self) -> None:
+        for page in self.pins.expire(self._clock()):
+            if self._refs[page] == 0:
+                self.index.mark_idle(page)
 
     def _evict(self, count: int) -> None:
         for _ in range(count):

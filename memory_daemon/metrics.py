@@ -6,9 +6,11 @@ so the scrape thread never touches a ledger. A task on the loop takes a snapshot
 replaced whole, so a scrape sees one consistent moment, at most half a second old.
 
 Per pool, labelled `pool` (its id): `pagedserve_kv_pages{state}` for free, leased and shared pages
-(free + leased + shared = `pagedserve_kv_pages_total_capacity`, the usable pages) and for cached and
-evictable pages, which are subsets of shared; `pagedserve_kv_workers`, the attached leases; and counters
-for evictions, prefix lookups, lookups that hit, pages queried and pages hit. With `--kv-disk`, the disk
+(free + leased + shared = `pagedserve_kv_pages_total_capacity`, the usable pages) and for cached,
+evictable and pinned pages, which are subsets of shared; `pagedserve_kv_workers`, the attached leases; and
+counters for evictions, prefix lookups, lookups that hit, pages queried and pages hit, and pages left
+unpinned for want of pin budget. Tenants are not labels (a salt names one, so they are unbounded): GetStats
+lists each tenant's pinned pages. With `--kv-disk`, the disk
 tier's pages, bytes and budget, and counters of its demotions, promotions, bytes moved, the seconds
 promotions took, and pages dropped or files rejected (`pagedserve_kv_tier_*{tier="disk"}`).
 """
@@ -36,8 +38,13 @@ _COUNTERS = (
     ("pagedserve_kv_prefix_hits", "prefix_hits", "prefix cache lookups that matched at least one page"),
     ("pagedserve_kv_prefix_queried_pages", "prefix_queried_pages", "pages asked for by prefix lookups"),
     ("pagedserve_kv_prefix_hit_pages", "prefix_hit_pages", "pages found by prefix lookups"),
+    (
+        "pagedserve_kv_pins_refused",
+        "pins_refused",
+        "pages a pin asked for beyond a tenant's or the pool's budget",
+    ),
 )
-_STATES = ("free", "leased", "shared", "cached", "evictable")
+_STATES = ("free", "leased", "shared", "cached", "evictable", "pinned")
 
 
 # The disk tier's (metric name without _total, TierCounts field, help)
@@ -103,7 +110,7 @@ class PoolSnapshots(Collector):
     def _families(snapshot: tuple[tuple[int, PoolCounts], ...]) -> Iterator[Metric]:
         pages = GaugeMetricFamily(
             "pagedserve_kv_pages",
-            "pages by state: free + leased + shared = capacity; cached and evictable are shared pages",
+            "pages by state: free + leased + shared = capacity; cached, evictable, pinned: shared pages",
             labels=["pool", "state"],
         )
         capacity = GaugeMetricFamily(

@@ -108,6 +108,9 @@ class PrefixIndex:
         """Its last reference is gone: it becomes the most recently used evictable page."""
         self._idle[page] = None
 
+    def is_idle(self, page: int) -> bool:
+        return page in self._idle
+
     def mark_busy(self, page: int) -> None:
         self._idle.pop(page, None)
 

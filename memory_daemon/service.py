@@ -19,7 +19,7 @@ from memory_daemon.config import DaemonConfig
 from memory_daemon.disk_tier import DiskTier, TierCounts
 from memory_daemon.export import CudaStorage, ShmStorage, Storage
 from memory_daemon.lease import Lease as WorkerLease
-from memory_daemon.ledger import PageLedger
+from memory_daemon.ledger import PageLedger, PinRequest
 from memory_daemon.pool import Pool
 from memory_daemon.prefix import Published
 from memory_daemon.shape import PoolShape
@@ -73,6 +73,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
                 pool=descriptor_to_pb(pool.descriptor()),
                 refill_pages=lease.refill.pages,
                 lower_tier=pool.ledger.tier is not None,
+                pin_budget_pages=pool.ledger.pins.budget,
             )
             yield memory_pb2.AttachEvent(attached=attached)
             while True:
@@ -116,11 +117,19 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             publish=[
                 Published(item.key, item.page, item.parent, tuple(item.token_ids)) for item in request.publish
             ],
+            pin=[PinRequest(list(pin.keys), pin.ttl_seconds, pin.tenant) for pin in request.pin],
             unref=list(request.unref),
             release=list(request.release),
         )
         pool.ledger.report_idle(lease, request.idle)
         return memory_pb2.UpdateResponse(free_pages=pool.ledger.free_pages)
+
+    async def CheckPins(
+        self, request: memory_pb2.CheckPinsRequest, context: grpc.aio.ServicerContext
+    ) -> memory_pb2.CheckPinsResponse:
+        pool, _ = self._find(request.lease_id)
+        pool.ledger.check_pins(request.tenant, request.pages, pool.pool_id)
+        return memory_pb2.CheckPinsResponse(room=pool.ledger.pins.room(request.tenant))
 
     async def LookupPrefix(
         self, request: memory_pb2.LookupRequest, context: grpc.aio.ServicerContext
@@ -299,6 +308,8 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             refill=self._config.refill,
             clock=self._clock,
             tier=tier,
+            pin_share=self._config.pin_share,
+            tenant_pin_share=self._config.tenant_pin_share,
         )
         pool = Pool(pool_id, shape, storage, ledger, tier)
         self._pools[shape] = pool

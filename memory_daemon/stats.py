@@ -27,6 +27,12 @@ class PublisherUsage:
 
 
 @dataclass(frozen=True)
+class TenantPins:
+    tenant: str
+    pinned_pages: int
+
+
+@dataclass(frozen=True)
 class PoolCounts:
     """Page counts of one pool. Invariant: total = free + leased + shared; cached <= shared."""
 
@@ -43,8 +49,14 @@ class PoolCounts:
     prefix_hit_pages: int
     workers: tuple[WorkerUsage, ...] = ()
     publishers: tuple[PublisherUsage, ...] = ()
+    pinned_pages: int = 0  # cached pages some tenant pinned (cache_ttl_seconds), none of them evictable
+    pin_budget_pages: int = 0  # how many may be pinned in all (--pin-share)
+    tenant_pin_budget_pages: int = 0  # how many one tenant may pin (--tenant-pin-share)
+    pins_refused: int = 0  # pages a pin asked for beyond a budget, left unpinned
+    tenants: tuple[TenantPins, ...] = ()
 
     @property
     def settled(self) -> bool:
         """Every page is free or cached: nothing leased, nothing referenced."""
-        return self.leased_pages == 0 and self.free_pages + self.evictable_pages == self.total_pages
+        idle = self.free_pages + self.evictable_pages + self.pinned_pages
+        return self.leased_pages == 0 and idle == self.total_pages

@@ -11,7 +11,7 @@ from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
 from memory_daemon.pool import Pool
 from memory_daemon.prefix_events import Batch, Removed, Stored
 from memory_daemon.shape import DEFAULT_PAGE_SIZE, PoolShape
-from memory_daemon.stats import PoolCounts, PublisherUsage, WorkerUsage
+from memory_daemon.stats import PoolCounts, PublisherUsage, TenantPins, WorkerUsage
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.plumbing.messages import from_message, to_message
 
@@ -59,6 +59,7 @@ def pool_stats_to_pb(pool: Pool) -> memory_pb2.PoolStats:
         memory_pb2.PoolStats,
         workers=[to_message(usage, memory_pb2.WorkerUsage) for usage in counts.workers],
         publishers=[to_message(usage, memory_pb2.PublisherUsage) for usage in counts.publishers],
+        tenants=[to_message(pins, memory_pb2.TenantPins) for pins in counts.tenants],
         pool_id=pool.pool_id,
         shape=shape_to_pb(pool.shape),
         storage=pool.storage.label,
@@ -79,6 +80,7 @@ def counts_from_pb(pb: memory_pb2.PoolStats) -> PoolCounts:
         pb,
         workers=tuple(from_message(WorkerUsage, w) for w in pb.workers),
         publishers=tuple(from_message(PublisherUsage, p) for p in pb.publishers),
+        tenants=tuple(from_message(TenantPins, t) for t in pb.tenants),
     )
 
 

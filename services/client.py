@@ -38,6 +38,7 @@ def generate_request(
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
+    cache_ttl_seconds: int = 0,
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
@@ -48,6 +49,7 @@ def generate_request(
         sampling=generation_pb2.SamplingParams(**sampling),
         priority=priority,
         cache_salt=cache_salt,
+        cache_ttl_seconds=cache_ttl_seconds,
     )
 
 

@@ -57,9 +57,11 @@ def pool_counts(daemon_address: str) -> PoolCounts:
 
 
 def every_page_accounted(daemon_address: str) -> bool:
-    """Every page is free, idle in a worker's lease, or cached and evictable: none is held by a sequence."""
+    """Every page is free, idle in a worker's lease, or cached and evictable (or pinned): none is held by a
+    sequence."""
     counts = pool_counts(daemon_address)
-    return counts.free_pages + counts.leased_pages + counts.evictable_pages == counts.total_pages
+    idle = counts.free_pages + counts.leased_pages + counts.evictable_pages + counts.pinned_pages
+    return idle == counts.total_pages and not any(worker.referenced_pages for worker in counts.workers)
 
 
 class Scrape:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
+from pagedserve.plumbing.pin_limits import check_tenant, check_ttl
 from services.common.sampling import SamplingOptions
 
 # A prompt's text may be at most this many characters a token of the model's context: a bound checked before
@@ -37,6 +38,8 @@ class EngineRequest:
     cache_salt: str = ""  # the prefix cache's namespace: only requests with the same salt share pages
     follows: str = ""  # the id of an earlier sample of the same prompt, whose prefill this one waits for
     generated: tuple[int, ...] = ()  # tokens it generated already elsewhere (on a worker that failed)
+    cache_ttl_seconds: int = 0  # pin its pages in the prefix cache this long after it ends
+    tenant: str = ""  # whose pin budget pays for them
 
 
 def check_request(request: EngineRequest, limits: ModelLimits) -> None:
@@ -53,6 +56,9 @@ def check_request(request: EngineRequest, limits: ModelLimits) -> None:
     check_token_ids("generated_token_ids", request.generated, limits.vocab_size)
     check_token_ids("sampling.stop_token_ids", options.stop_token_ids, limits.vocab_size)
     check_token_ids("sampling.logit_bias", [token for token, _ in options.logit_bias], limits.vocab_size)
+    if request.cache_ttl_seconds:
+        check_ttl(request.cache_ttl_seconds)
+        check_tenant(request.tenant)
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:

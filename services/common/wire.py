@@ -67,6 +67,8 @@ def request_from_pb(submit: worker_pb2.Submit) -> EngineRequest:
         cache_salt=submit.cache_salt,
         follows=submit.follows,
         generated=tuple(submit.generated_token_ids),
+        cache_ttl_seconds=submit.cache_ttl_seconds,
+        tenant=submit.tenant,
     )
 
 

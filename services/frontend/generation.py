@@ -85,6 +85,8 @@ class RequestPipeline:
         """
         limits = self.router.limits()
         checked = self.builder.check(request, request_id, limits)
+        if checked.cache_ttl_seconds:
+            checked = dataclasses.replace(checked, tenant=self.clients.tenant(client, checked.cache_salt))
         sample = functools.partial(
             Sample, self, checked, limits, tracker=tracker, client=client, with_text=with_text
         )

@@ -1,5 +1,6 @@
 """Who a public client is, for its share of admission (`admission.Admission`): its bearer token when the
-frontend has tokens (one a line in --api-token-file, each a client of its own), else its peer's address.
+frontend has tokens (one a line in --api-token-file, each a client of its own), else its peer's address;
+and which tenant pays for its pins in the daemon (`tenant`).
 
 An address is one IPv4 address, or one IPv6 /64 (what one site is usually given, so that a client cannot
 multiply itself by its addresses); every caller of the frontend's own unix socket (this machine's tools,
@@ -33,6 +34,16 @@ class ClientIdentity:
             token = str(given).removeprefix(_BEARER)
             return f"token {hashlib.sha256(token.encode()).hexdigest()[:12]}"
         return address_of(self._peer_of(context.peer()))
+
+    def tenant(self, client: str | None, cache_salt: str) -> str:
+        """Whose pin budget a request's pins (cache_ttl_seconds) take: its client's when the frontend has
+        tokens, else its cache_salt namespace (an address changes; a salt is what a client keeps, and it
+        names the pages it may share). A salt is named by a short hash, like a token."""
+        if self._tokens and client is not None:
+            return client
+        if not cache_salt:
+            return "the unsalted namespace"
+        return f"salt {hashlib.sha256(cache_salt.encode()).hexdigest()[:12]}"
 
 
 def address_of(peer: str) -> str:

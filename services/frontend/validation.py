@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.plumbing.errors import InvalidArgument
+from pagedserve.plumbing.pin_limits import check_ttl
 from pagedserve.v1 import generation_pb2
 from services.common.request import (
     EngineRequest,
@@ -46,6 +47,8 @@ class CheckedRequest:
     stop: tuple[str, ...]
     cache_salt: str
     n: int = 1  # samples
+    cache_ttl_seconds: int = 0  # how long its pages stay pinned after it ends
+    tenant: str = ""  # whose pin budget pays for them (`ClientIdentity.tenant`)
 
 
 @dataclass(frozen=True)
@@ -102,14 +105,23 @@ class RequestBuilder:
         if not 1 <= n <= MAX_SAMPLES:
             raise InvalidArgument(f"sampling.n is {n}; a request takes 1 to {MAX_SAMPLES} samples")
         stop = _stop_strings(sampling.stop)
-        return CheckedRequest(request, request_id, options, stop, _cache_salt(request.cache_salt), n)
+        check_ttl(request.cache_ttl_seconds)
+        salt = _cache_salt(request.cache_salt)
+        return CheckedRequest(request, request_id, options, stop, salt, n, request.cache_ttl_seconds)
 
     def tokenize(self, checked: CheckedRequest, limits: ModelLimits) -> PreparedRequest:
         """The request as its worker runs it, checked as the worker checks it: a text prompt's ids may be
         over the context, and a chat template's outside the model's vocabulary."""
         request = checked.request
         prompt_ids = self.prompt_ids(request.prompt, request.prompt_token_ids, request.messages)
-        engine = EngineRequest(tuple(prompt_ids), checked.options, request.priority, checked.cache_salt)
+        engine = EngineRequest(
+            tuple(prompt_ids),
+            checked.options,
+            request.priority,
+            checked.cache_salt,
+            cache_ttl_seconds=checked.cache_ttl_seconds,
+            tenant=checked.tenant,
+        )
         check_request(engine, limits)
         return PreparedRequest(checked.request_id, engine, checked.stop)
 

@@ -130,7 +130,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             async for request in requests:
                 for submit in request.submit:
-                    if error := self._submit(stream, submit, live):
+                    if error := await self._submit(stream, submit, live):
                         self._refuse(queue, submit.request_id, error)
                 if request.abort:
                     self._engine.abort((stream, rid) for rid in request.abort if rid in live)
@@ -144,8 +144,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # Every message carries the load, which the frontend takes as it is.
         queue.put_nowait(worker_pb2.StepOutputs(outputs=[refused], load=self._load()))
 
-    def _submit(self, stream: int, submit: worker_pb2.Submit, live: set[str]) -> dict[str, Any]:
-        """Queue one request; return the error fields of its refusal, or nothing when it was accepted.
+    async def _submit(self, stream: int, submit: worker_pb2.Submit, live: set[str]) -> dict[str, Any]:
+        """Queue one request; return the error fields of its refusal, or nothing when it was accepted. A
+        request that pins its pages is first checked against its tenant's pin budget, by the daemon.
 
         A submit that cannot be answered by its own id breaks the protocol and ends the stream.
         """
@@ -156,7 +157,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"request id {submit.request_id!r} is already running on this stream; ids must be unique"
             )
         try:
-            self._engine.submit((stream, submit.request_id), request_from_pb(submit))
+            request = request_from_pb(submit)
+            if request.cache_ttl_seconds:
+                await asyncio.to_thread(self._engine.check_pins, request)
+            self._engine.submit((stream, submit.request_id), request)
         except StatusError as refusal:
             return error_fields(refusal)
         live.add(submit.request_id)

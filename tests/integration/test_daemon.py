@@ -148,6 +148,7 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(
     C = grpc.StatusCode
     free_page = next(p for p in range(1, 64) if p not in my_pages + their_pages)
     Lease, Update, Lookup = memory_pb2.LeaseRequest, memory_pb2.UpdateRequest, memory_pb2.LookupRequest
+    Pin, CheckPins = memory_pb2.PinRequest, memory_pb2.CheckPinsRequest
     bad_calls = [
         ("Lease", Lease(lease_id="no-such-lease", need=1), C.NOT_FOUND,
          "unknown lease 'no-such-lease': attach first"),
@@ -166,6 +167,16 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(
         ("Lease", Lease(lease_id=lease, need=-1), C.INVALID_ARGUMENT, "need must be between 0"),
         ("LookupPrefix", Lookup(lease_id=lease, keys=[b"k"] * 100), C.INVALID_ARGUMENT,
          "100 keys is more than the pool's 63 pages"),
+        ("Update", Update(lease_id=lease, publish=[memory_pb2.PublishedPage(key=b"k", page=my_pages[0])],
+                          pin=[Pin(keys=[b"k"], ttl_seconds=10**6, tenant="t")]), C.INVALID_ARGUMENT,
+         "cache_ttl_seconds is 1000000; a pin lasts 0 (none) to 86400 seconds"),
+        ("Update", Update(lease_id=lease, pin=[Pin(keys=[b"k"], ttl_seconds=60, tenant="t" * 300)]),
+         C.INVALID_ARGUMENT, "a pin's tenant must be 1 to 256 bytes, got 300"),
+        ("CheckPins", CheckPins(lease_id="no-such-lease", tenant="t", pages=1), C.NOT_FOUND, "unknown lease"),
+        ("CheckPins", CheckPins(lease_id=lease, tenant="t", pages=-1), C.INVALID_ARGUMENT,
+         "pages must be at least 0, got -1"),
+        ("CheckPins", CheckPins(lease_id=lease, tenant="t", pages=10**9), C.RESOURCE_EXHAUSTED,
+         "tenant 't' has pinned 0 of the 6 pages allowed in pool 1 (--tenant-pin-share 0.1 of its pages)"),
     ]  # fmt: skip
     Shape = memory_pb2.PoolShape
     bad_attaches = [

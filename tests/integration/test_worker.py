@@ -18,7 +18,7 @@ from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
 from tests.clients import every_page_accounted, internal_channel, pool_counts
-from tests.integration.worker_stream import WorkerStream, tokens
+from tests.integration.worker_stream import WorkerStream, submit_of, tokens
 from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
 from tests.waiting import wait_until
 
@@ -165,6 +165,19 @@ def test_bad_submits_get_errors_and_the_worker_keeps_serving(
         exhausted = request_id in ("too-long", "too-big-for-the-pool")
         expected = grpc.StatusCode.RESOURCE_EXHAUSTED if exhausted else grpc.StatusCode.INVALID_ARGUMENT
         assert output.error_code == expected.value[0], output
+    # Pins: a TTL needs a tenant and at most a day; a worker started without prefix caching cannot pin.
+    pins = {
+        "pin-without-tenant": (dict(cache_ttl_seconds=60), "a pin's tenant must be 1 to 256 bytes, got 0"),
+        "pin-too-long": (dict(cache_ttl_seconds=86401, tenant="t"), "cache_ttl_seconds is 86401"),
+    }
+    for request_id, (fields, _) in pins.items():
+        submit = submit_of(request_id, [5, 6], good)
+        submit.MergeFrom(worker_pb2.Submit(**fields))
+        stream.send(worker_pb2.WorkerRequest(submit=[submit]))
+    outputs = stream.collect(set(pins))
+    for request_id, (_, message) in pins.items():
+        (output,) = outputs[request_id]
+        assert message in output.error and output.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     stream.submit("fine", chat(tokenizer, "Hi"), good)
     assert len(tokens(stream.collect({"fine"})["fine"])) == 4
 

@@ -544,10 +544,13 @@ def test_a_dry_pool_first_takes_back_the_pages_a_launched_step_held(model: Causa
 def test_a_new_request_warms_the_keys_its_lookup_will_ask_for(model: CausalLM) -> None:
     """As a request arrives (new_sequence, on the caller's thread), the pool is asked to bring back from a
     lower tier the pages the scheduler's lookup will want: every full page but the last token's, the
-    request's salt in the chain; none without prefix caching."""
+    request's salt in the chain; none without prefix caching, nor from a pool with no lower tier."""
     engine = make_engine(model, "off")
     warmed: list[list[bytes]] = []
     with mock.patch.object(engine.kv, "warm", side_effect=lambda keys: warmed.append(list(keys))):
+        engine.new_sequence(0, EngineRequest(tuple(range(5, 18)), GREEDY))
+        assert warmed == []  # the local pool has no lower tier: no keys are hashed for it
+        engine.kv.lower_tier = True
         prompt = tuple(range(5, 18))  # 13 tokens: three full pages of 4 before the last token
         seq = engine.new_sequence(0, EngineRequest(prompt, GREEDY, cache_salt="tenant-a"))
         assert warmed == [seq.page_keys(3, 4)] and len(warmed[0]) == 3

@@ -69,18 +69,20 @@ class PoolDescriptor(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., num_pages: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("lease_id", "worker_id", "pool", "refill_pages", "lower_tier")
+    __slots__ = ("lease_id", "worker_id", "pool", "refill_pages", "lower_tier", "pin_budget_pages")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REFILL_PAGES_FIELD_NUMBER: _ClassVar[int]
     LOWER_TIER_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_PAGES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     worker_id: int
     pool: PoolDescriptor
     refill_pages: int
     lower_tier: bool
-    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., refill_pages: _Optional[int] = ..., lower_tier: _Optional[bool] = ...) -> None: ...
+    pin_budget_pages: int
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., refill_pages: _Optional[int] = ..., lower_tier: _Optional[bool] = ..., pin_budget_pages: _Optional[int] = ...) -> None: ...
 
 class Reclaim(_message.Message):
     __slots__ = ("pages",)
@@ -131,18 +133,46 @@ class PublishedPage(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., page: _Optional[int] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("lease_id", "publish", "unref", "release", "idle")
+    __slots__ = ("lease_id", "publish", "unref", "release", "idle", "pin")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     UNREF_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     IDLE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     publish: _containers.RepeatedCompositeFieldContainer[PublishedPage]
     unref: _containers.RepeatedScalarFieldContainer[int]
     release: _containers.RepeatedScalarFieldContainer[int]
     idle: int
-    def __init__(self, lease_id: _Optional[str] = ..., publish: _Optional[_Iterable[_Union[PublishedPage, _Mapping]]] = ..., unref: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., idle: _Optional[int] = ...) -> None: ...
+    pin: _containers.RepeatedCompositeFieldContainer[PinRequest]
+    def __init__(self, lease_id: _Optional[str] = ..., publish: _Optional[_Iterable[_Union[PublishedPage, _Mapping]]] = ..., unref: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ..., idle: _Optional[int] = ..., pin: _Optional[_Iterable[_Union[PinRequest, _Mapping]]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "ttl_seconds", "tenant")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_seconds: int
+    tenant: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class CheckPinsRequest(_message.Message):
+    __slots__ = ("lease_id", "tenant", "pages")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    tenant: str
+    pages: int
+    def __init__(self, lease_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class CheckPinsResponse(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("free_pages",)
@@ -217,7 +247,7 @@ class PublisherUsage(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., name: _Optional[str] = ..., model_id: _Optional[str] = ..., cached_pages: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "shape", "total_pages", "free_pages", "leased_pages", "shared_pages", "cached_pages", "evictable_pages", "evictions", "prefix_lookups", "prefix_hits", "prefix_queried_pages", "prefix_hit_pages", "workers", "storage", "publishers")
+    __slots__ = ("pool_id", "shape", "total_pages", "free_pages", "leased_pages", "shared_pages", "cached_pages", "evictable_pages", "evictions", "prefix_lookups", "prefix_hits", "prefix_queried_pages", "prefix_hit_pages", "workers", "storage", "publishers", "pinned_pages", "pin_budget_pages", "tenant_pin_budget_pages", "pins_refused", "tenants")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +264,11 @@ class PoolStats(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
     PUBLISHERS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_PIN_BUDGET_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     shape: PoolShape
     total_pages: int
@@ -250,7 +285,20 @@ class PoolStats(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerUsage]
     storage: str
     publishers: _containers.RepeatedCompositeFieldContainer[PublisherUsage]
-    def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_queried_pages: _Optional[int] = ..., prefix_hit_pages: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerUsage, _Mapping]]] = ..., storage: _Optional[str] = ..., publishers: _Optional[_Iterable[_Union[PublisherUsage, _Mapping]]] = ...) -> None: ...
+    pinned_pages: int
+    pin_budget_pages: int
+    tenant_pin_budget_pages: int
+    pins_refused: int
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantPins]
+    def __init__(self, pool_id: _Optional[int] = ..., shape: _Optional[_Union[PoolShape, _Mapping]] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., leased_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_lookups: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_queried_pages: _Optional[int] = ..., prefix_hit_pages: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerUsage, _Mapping]]] = ..., storage: _Optional[str] = ..., publishers: _Optional[_Iterable[_Union[PublisherUsage, _Mapping]]] = ..., pinned_pages: _Optional[int] = ..., pin_budget_pages: _Optional[int] = ..., tenant_pin_budget_pages: _Optional[int] = ..., pins_refused: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantPins, _Mapping]]] = ...) -> None: ...
+
+class TenantPins(_message.Message):
+    __slots__ = ("tenant", "pinned_pages")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    pinned_pages: int
+    def __init__(self, tenant: _Optional[str] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("capacity_bytes", "pages", "bytes", "demotions", "promotions", "bytes_written", "bytes_read", "promote_seconds", "dropped", "rejected")

@@ -49,6 +49,11 @@ class MemoryDaemonStub:
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.UpdateRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.UpdateResponse.FromString,
                 _registered_method=True)
+        self.CheckPins = channel.unary_unary(
+                '/pagedserve.memory.v1.MemoryDaemon/CheckPins',
+                request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckPinsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckPinsResponse.FromString,
+                _registered_method=True)
         self.LookupPrefix = channel.unary_unary(
                 '/pagedserve.memory.v1.MemoryDaemon/LookupPrefix',
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.LookupRequest.SerializeToString,
@@ -98,7 +103,15 @@ class MemoryDaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Update(self, request, context):
-        """Applies one ordered batch: publish, then unref, then release. All or nothing.
+        """Applies one ordered batch: publish, then pin, then unref, then release. All or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckPins(self, request, context):
+        """Whether a tenant has room to pin `pages` more pages now: RESOURCE_EXHAUSTED, naming the budget, if not.
+        A worker asks before it runs a request with cache_ttl_seconds; the pin itself comes in an Update.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +179,11 @@ def add_MemoryDaemonServicer_to_server(servicer, server):
                     servicer.Update,
                     request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.UpdateRequest.FromString,
                     response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.UpdateResponse.SerializeToString,
+            ),
+            'CheckPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckPins,
+                    request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckPinsRequest.FromString,
+                    response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckPinsResponse.SerializeToString,
             ),
             'LookupPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.LookupPrefix,
@@ -279,6 +297,33 @@ class MemoryDaemon:
             '/pagedserve.memory.v1.MemoryDaemon/Update',
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.UpdateRequest.SerializeToString,
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.UpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.memory.v1.MemoryDaemon/CheckPins',
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckPinsRequest.SerializeToString,
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import generation_pb2 as pagedserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/worker/v1/worker.proto\x12\x14pagedserve.worker.v1\x1a\x1epagedserve/v1/generation.proto\"\xbb\x01\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0f\n\x07\x66ollows\x18\x06 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x07 \x03(\r\"L\n\rWorkerRequest\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.pagedserve.worker.v1.Submit\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xba\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x04 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"m\n\x0bStepOutputs\x12\x34\n\x07outputs\x18\x01 \x03(\x0b\x32#.pagedserve.worker.v1.RequestOutput\x12(\n\x04load\x18\x02 \x01(\x0b\x32\x1a.pagedserve.worker.v1.Load\"\x10\n\x0eGetLoadRequest\"n\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_pages_in_use\x18\x03 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x03\x12\x13\n\x0bunavailable\x18\x05 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xba\x01\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x13\n\x0bworker_name\x18\t \x01(\t2\xff\x01\n\x06Worker\x12U\n\x07\x43onnect\x12#.pagedserve.worker.v1.WorkerRequest\x1a!.pagedserve.worker.v1.StepOutputs(\x01\x30\x01\x12K\n\x07GetLoad\x12$.pagedserve.worker.v1.GetLoadRequest\x1a\x1a.pagedserve.worker.v1.Load\x12Q\n\x07GetInfo\x12$.pagedserve.worker.v1.GetInfoRequest\x1a .pagedserve.worker.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pagedserve/worker/v1/worker.proto\x12\x14pagedserve.worker.v1\x1a\x1epagedserve/v1/generation.proto\"\xe6\x01\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0f\n\x07\x66ollows\x18\x06 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x07 \x03(\r\x12\x19\n\x11\x63\x61\x63he_ttl_seconds\x18\x08 \x01(\r\x12\x0e\n\x06tenant\x18\t \x01(\t\"L\n\rWorkerRequest\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.pagedserve.worker.v1.Submit\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xba\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x04 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"m\n\x0bStepOutputs\x12\x34\n\x07outputs\x18\x01 \x03(\x0b\x32#.pagedserve.worker.v1.RequestOutput\x12(\n\x04load\x18\x02 \x01(\x0b\x32\x1a.pagedserve.worker.v1.Load\"\x10\n\x0eGetLoadRequest\"n\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_pages_in_use\x18\x03 \x01(\x03\x12\x16\n\x0ekv_pages_total\x18\x04 \x01(\x03\x12\x13\n\x0bunavailable\x18\x05 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xba\x01\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x13\n\x0bworker_name\x18\t \x01(\t2\xff\x01\n\x06Worker\x12U\n\x07\x43onnect\x12#.pagedserve.worker.v1.WorkerRequest\x1a!.pagedserve.worker.v1.StepOutputs(\x01\x30\x01\x12K\n\x07GetLoad\x12$.pagedserve.worker.v1.GetLoadRequest\x1a\x1a.pagedserve.worker.v1.Load\x12Q\n\x07GetInfo\x12$.pagedserve.worker.v1.GetInfoRequest\x1a .pagedserve.worker.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.worker.v1.worker
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMIT']._serialized_start=92
-  _globals['_SUBMIT']._serialized_end=279
-  _globals['_WORKERREQUEST']._serialized_start=281
-  _globals['_WORKERREQUEST']._serialized_end=357
-  _globals['_REQUESTOUTPUT']._serialized_start=360
-  _globals['_REQUESTOUTPUT']._serialized_end=674
-  _globals['_STEPOUTPUTS']._serialized_start=676
-  _globals['_STEPOUTPUTS']._serialized_end=785
-  _globals['_GETLOADREQUEST']._serialized_start=787
-  _globals['_GETLOADREQUEST']._serialized_end=803
-  _globals['_LOAD']._serialized_start=805
-  _globals['_LOAD']._serialized_end=915
-  _globals['_GETINFOREQUEST']._serialized_start=917
-  _globals['_GETINFOREQUEST']._serialized_end=933
-  _globals['_WORKERINFO']._serialized_start=936
-  _globals['_WORKERINFO']._serialized_end=1122
-  _globals['_WORKER']._serialized_start=1125
-  _globals['_WORKER']._serialized_end=1380
+  _globals['_SUBMIT']._serialized_end=322
+  _globals['_WORKERREQUEST']._serialized_start=324
+  _globals['_WORKERREQUEST']._serialized_end=400
+  _globals['_REQUESTOUTPUT']._serialized_start=403
+  _globals['_REQUESTOUTPUT']._serialized_end=717
+  _globals['_STEPOUTPUTS']._serialized_start=719
+  _globals['_STEPOUTPUTS']._serialized_end=828
+  _globals['_GETLOADREQUEST']._serialized_start=830
+  _globals['_GETLOADREQUEST']._serialized_end=846
+  _globals['_LOAD']._serialized_start=848
+  _globals['_LOAD']._serialized_end=958
+  _globals['_GETINFOREQUEST']._serialized_start=960
+  _globals['_GETINFOREQUEST']._serialized_end=976
+  _globals['_WORKERINFO']._serialized_start=979
+  _globals['_WORKERINFO']._serialized_end=1165
+  _globals['_WORKER']._serialized_start=1168
+  _globals['_WORKER']._serialized_end=1423
 # @@protoc_insertion_point(module_scope)

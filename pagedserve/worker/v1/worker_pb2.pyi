@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "follows", "generated_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "follows", "generated_token_ids", "cache_ttl_seconds", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class Submit(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -23,7 +25,9 @@ class Submit(_message.Message):
     cache_salt: str
     follows: str
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., follows: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_ttl_seconds: int
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., follows: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., cache_ttl_seconds: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class WorkerRequest(_message.Message):
     __slots__ = ("submit", "abort")

@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedserve.plumbing.errors import ResourceExhausted, StatusError, Unimplemented
+from pagedserve.plumbing.errors import FailedPrecondition, ResourceExhausted, StatusError, Unimplemented
 from pagedserve.plumbing.settings import check_settings, positive, setting
 from services.common.request import EngineRequest, ModelLimits, check_request
 from services.worker.core.cuda_graphs import DecodeGraphs
@@ -105,9 +105,12 @@ class EngineCore:
         """
         check_request(request, self.limits)
         pages = -(-(len(request.prompt_ids) + len(request.generated) + 1) // self.kv.page_size)
-        if pages >= self.kv.num_pages:
+        usable = self.kv.num_pages - 1 - self.kv.pin_budget_pages
+        if pages > usable:
+            pinnable = self.kv.pin_budget_pages
+            beyond = f" less the {pinnable} that pins may hold (the daemon's --pin-share)" if pinnable else ""
             raise ResourceExhausted(
-                f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}: "
+                f"the prompt needs {pages} KV pages, more than the pool's {self.kv.num_pages - 1}{beyond}: "
                 "shorten it, or give the workers more --kv-memory"
             )
         grammar = None
@@ -121,9 +124,25 @@ class EngineCore:
             self._warm(seq)
         return seq
 
+    def check_pins(self, request: EngineRequest) -> None:
+        """Refuse a request with cache_ttl_seconds whose tenant has no room to pin its prompt's pages:
+        ResourceExhausted, naming the budget (the pool's owner decides); any thread may call it."""
+        if not request.cache_ttl_seconds:
+            return
+        check_request(request, self.limits)  # a bad TTL or tenant is the request's fault, told as such
+        if not self.config.prefix_caching:
+            raise FailedPrecondition(
+                "this worker runs without prefix caching, so it cannot pin a request's pages: send the "
+                "request without cache_ttl_seconds"
+            )
+        pages = (len(request.prompt_ids) + len(request.generated)) // self.kv.page_size
+        self.kv.check_pins(request.tenant, pages * len(self.scheduler.windows))
+
     def _warm(self, seq: Sequence) -> None:
         """Ask the pool to bring the prompt's pages back from a lower tier before the scheduler looks them
         up (KVCache.warm, in the background): the keys each group's lookup will ask for."""
+        if not self.kv.lower_tier:
+            return
         size = self.kv.page_size
         keys = seq.page_keys((seq.num_tokens - 1) // size, size)
         for group in range(len(self.scheduler.windows)):

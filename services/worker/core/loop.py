@@ -93,6 +93,12 @@ class Engine:
             self._inbox.append(seq)
             self._wake.notify()
 
+    def check_pins(self, request: EngineRequest) -> None:
+        """Refuse a request whose tenant has no room to pin its pages (EngineCore.check_pins)."""
+        if self.suspended is not None:
+            raise Unavailable(self.suspended)
+        self._core.check_pins(request)
+
     def abort(self, keys: Iterable[Hashable]) -> None:
         with self._wake:
             self._aborts.extend(keys)

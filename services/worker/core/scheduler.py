@@ -124,7 +124,10 @@ class Scheduler:
             self._enqueue(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence, running or waiting: its pages go back at once."""
+        """End a sequence, running or waiting: its pages go back at once, pinned first if it asked and it
+        ended as it should."""
+        if seq.pin[0] and reason is not FinishReason.ABORT and self.prefix_caching:
+            self._pin(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
@@ -294,6 +297,15 @@ class Scheduler:
                 )
             seq.num_shared = full
             seq.published_mark = self.kv.published
+
+    def _pin(self, seq: Sequence) -> None:
+        """Pin its published pages (cache_ttl_seconds), every group's, group 0's first: if the tenant's budget
+        runs out, the chain's head is what stays pinned."""
+        keys = seq.page_keys(seq.num_shared, self.kv.page_size)
+        ttl_s, tenant = seq.pin
+        self.kv.pin(
+            [group_key(key, group) for group in range(len(seq.tables)) for key in keys], ttl_s, tenant
+        )
 
     def _out_of_window(self, group: int, computed: int) -> int:
         """How many of a group's leading pages no query from position `computed` on sees."""

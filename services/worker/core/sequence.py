@@ -61,6 +61,7 @@ class Sequence:
         self.priority = request.priority  # lower runs first
         self.arrival = arrival
         self.cache_root = salted_root(request.cache_salt)  # the parent of its page-key chain
+        self.pin = (request.cache_ttl_seconds, request.tenant)  # pin its pages when it ends (TTL 0: no)
         self.follows = follows
         self.compiling = grammar  # until its grammar is taken (`take_grammar`)
         self.grammar: GrammarState | None = None  # its structured output's matcher, once compiled

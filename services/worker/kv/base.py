@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memory_daemon.ledger import PinRequest
 from memory_daemon.prefix import ROOT_KEY, Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
@@ -36,6 +37,9 @@ class LocalUsage:
 
 class KVCache(ABC):
     """The pool as a tensor `kv` of shape [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]."""
+
+    lower_tier = False  # whether the pool's owner keeps evicted pages in a lower tier (`warm`)
+    pin_budget_pages = 0  # pages that pins may hold, out of any request's reach (never evictable)
 
     def __init__(self, kv: torch.Tensor, shape: PoolShape, refill_pages: int) -> None:
         self.kv = kv
@@ -133,6 +137,17 @@ class KVCache(ABC):
                 self._submit(len(self._idle), publish=items)
         return len(items)
 
+    def pin(self, keys: Sequence[bytes], ttl_s: int, tenant: str) -> None:
+        """Pin the cached pages of keys' chain for tenant, ttl_s seconds from now and from each hit: sent
+        in order after the pages' publishes, so call it before freeing them."""
+        if keys:
+            with self._lock:
+                self._submit(len(self._idle), pin=[PinRequest(list(keys), ttl_s, tenant)])
+
+    @abstractmethod
+    def check_pins(self, tenant: str, pages: int) -> None:
+        """Raise ResourceExhausted, naming the budget, if tenant has no room to pin `pages` more now."""
+
     def delivered(self, mark: int) -> bool:
         """Whether the first `mark` pages this cache published have reached the pool's owner, so that a
         lookup finds them."""
@@ -182,6 +197,7 @@ class KVCache(ABC):
         idle: int,
         *,
         publish: Sequence[Published] = (),
+        pin: Sequence[PinRequest] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memory_daemon.ledger import PageLedger
+from memory_daemon.ledger import PageLedger, PinRequest
 from memory_daemon.prefix import Published
 from memory_daemon.refill import RefillSettings
 from memory_daemon.shape import PoolShape
@@ -30,11 +30,15 @@ class LocalKVCache(KVCache):
     ) -> None:
         self.ledger = PageLedger(num_pages, low_watermark=low_watermark, refill=refill)
         self._lease_record = self.ledger.open_lease("in-process", model_id)
+        self.pin_budget_pages = self.ledger.pins.budget
         kv = torch.zeros(shape.tensor_shape(num_pages), dtype=getattr(torch, shape.dtype), device=device)
         super().__init__(kv, shape, refill_pages=self._lease_record.refill.pages)
 
     def stats(self) -> PoolCounts:
         return self.ledger.counts()
+
+    def check_pins(self, tenant: str, pages: int) -> None:
+        self.ledger.check_pins(tenant, pages, pool_id=1)
 
     def flush(self) -> None:
         pass  # every update is applied when it is made
@@ -52,10 +56,11 @@ class LocalKVCache(KVCache):
         idle: int,
         *,
         publish: Sequence[Published] = (),
+        pin: Sequence[PinRequest] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> None:
-        self.ledger.update(self._lease_record, publish=publish, unref=unref, release=release)
+        self.ledger.update(self._lease_record, publish=publish, pin=pin, unref=unref, release=release)
         self.ledger.report_idle(self._lease_record, idle)
 
     def _lookup(self, keys: Sequence[bytes]) -> list[int]:

@@ -24,13 +24,14 @@ import grpc
 from google.protobuf.message import Message
 
 from memory_daemon.export import SHM_DIR, map_pool
+from memory_daemon.ledger import PinRequest
 from memory_daemon.prefix import Published
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
 from memory_daemon.wire import counts_from_pb, descriptor_from_pb, shape_to_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.auth import secret_metadata
-from pagedserve.plumbing.errors import PermissionDenied, StatusError
+from pagedserve.plumbing.errors import PermissionDenied, ResourceExhausted, StatusError
 from pagedserve.plumbing.private import check_unix_peer
 from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from services.worker.kv.base import KVCache, PoolLost
@@ -55,11 +56,12 @@ class DaemonError(PoolLost):
 @dataclass
 class _Batch:
     publish: list[Published] = field(default_factory=list)
+    pin: list[PinRequest] = field(default_factory=list)
     unref: list[int] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.publish or self.unref or self.release)
+        return bool(self.publish or self.pin or self.unref or self.release)
 
     def to_pb(self, lease_id: str, idle: int) -> memory_pb2.UpdateRequest:
         return memory_pb2.UpdateRequest(
@@ -68,6 +70,7 @@ class _Batch:
                 memory_pb2.PublishedPage(key=p.key, page=p.page, parent=p.parent, token_ids=p.token_ids)
                 for p in self.publish
             ],
+            pin=[memory_pb2.PinRequest(keys=p.keys, ttl_seconds=p.ttl_s, tenant=p.tenant) for p in self.pin],
             unref=self.unref,
             release=self.release,
             idle=idle,
@@ -112,6 +115,7 @@ class DaemonKVCache(KVCache):
         self.worker_id = attached.worker_id
         self.pool_id = attached.pool.pool_id
         self.lower_tier = attached.lower_tier
+        self.pin_budget_pages = attached.pin_budget_pages
         # One thread sends the warm-ups, in arrival order, so that none waits on the engine's path.
         self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kv-warm") if self.lower_tier else None
         super().__init__(self._map(attached.pool, shape, shm_dir), shape, attached.refill_pages)
@@ -171,6 +175,15 @@ class DaemonKVCache(KVCache):
         reply = self._call("PrefetchPrefix", self._stub.PrefetchPrefix, request)
         return reply.promoted, reply.cached
 
+    def check_pins(self, tenant: str, pages: int) -> None:
+        request = memory_pb2.CheckPinsRequest(lease_id=self.lease_id, tenant=tenant, pages=pages)
+        try:
+            self._stub.CheckPins(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise DaemonError.from_rpc("CheckPins", exc) from None
+            raise ResourceExhausted(exc.details()) from None
+
     def _warm_quietly(self, keys: list[bytes]) -> None:
         """A warm-up is an optimisation: the lookup promotes what it did not, so a failure is only logged."""
         try:
@@ -222,10 +235,12 @@ class DaemonKVCache(KVCache):
         idle: int,
         *,
         publish: Sequence[Published] = (),
+        pin: Sequence[PinRequest] = (),
         unref: Sequence[int] = (),
         release: Sequence[int] = (),
     ) -> None:
         self._pending.publish.extend(publish)
+        self._pending.pin.extend(pin)
         self._pending.unref.extend(unref)
         self._pending.release.extend(release)
         self._cond.notify_all()
