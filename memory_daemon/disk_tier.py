@@ -107,10 +107,12 @@ class DiskTier:
             self._writer.start()
 
     def close(self) -> None:
-        """Write what is still pending (a SIGTERM's restart finds it), then stop the writer."""
+        """Write what is still pending (a SIGTERM's restart finds it), then stop the writer: a put after
+        this writes its file before it returns."""
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()
+            self._writer = None
 
     def counts(self) -> TierCounts:
         with self._lock:

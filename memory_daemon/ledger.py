@@ -339,6 +339,16 @@ class PageLedger(RequestChecks):
         ]
         return self._uncache(self.index.idle_pages(model_id) + pinned)
 
+    def keep_cached(self) -> None:
+        """Copy every cached page into the lower tier, least recently used first, so that the next daemon
+        on the tier serves them (a graceful stop's); the pool is left as it was."""
+        assert self.tier is not None, "a pool without a lower tier keeps nothing"
+        idle = self.index.idle_pages_in_order()
+        busy = set(self.index.pages()) - set(idle)  # referenced or pinned: in use, so the most recent
+        for page in [*idle, *(page for page in self.index.pages() if page in busy)]:
+            entry = self.index.entry(page)
+            self.tier.demote(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
+
     def counts(self) -> PoolCounts:
         self._expire_pins()
         leased = sum(len(lease.pages) for lease in self.leases.values())

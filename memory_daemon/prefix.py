@@ -118,6 +118,14 @@ class PrefixIndex:
         """The least recently used idle page, the next to evict; None if there is none."""
         return next(iter(self._idle), None)
 
+    def pages(self) -> list[int]:
+        """Every indexed page, in the order they were indexed."""
+        return list(self._entry_of)
+
+    def idle_pages_in_order(self) -> list[int]:
+        """The idle pages, least recently used first."""
+        return list(self._idle)
+
     def idle_pages(self, model_id: str) -> list[int]:
         return [page for page in self._idle if self._entry_of[page].model_id == model_id]
 

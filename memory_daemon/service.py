@@ -232,8 +232,14 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         return None if self._disk is None else self._disk.counts()
 
     def close(self) -> None:
+        """A graceful stop: the pools' cached pages go to the disk tier (what waited first), so that the
+        next daemon on it serves them; then the pools go."""
         if self._disk is not None:
             self._disk.close()
+            for pool in self._pools.values():
+                if pool.ledger.tier is not None:
+                    pool.ledger.keep_cached()
+            log.info("kept the pools' cached pages in %s: %s", self._disk.folder, self._disk.counts())
         for pool in self._pools.values():
             pool.storage.close()
         self._pools.clear()

@@ -120,6 +120,22 @@ def test_evicted_pages_come_back_from_disk_and_outlive_a_daemon_killed(
     assert checked_counts(daemons[1]).cached_pages == 3
 
 
+def test_a_graceful_stop_keeps_the_pools_cached_pages_for_the_next_daemon(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    """Pages cached in the pool, never evicted, are written to the tier by a SIGTERM's stop: a new daemon
+    on the folder serves them. A SIGKILL leaves only what was evicted (the test above)."""
+    daemons.append(start(run_dir, disk))
+    publish_prompt(daemons[0])
+    assert not list(disk.glob("*.kvpage"))  # nothing evicted: nothing on disk yet
+    assert daemons[0].stop() == 0
+    assert len(list(disk.glob("*.kvpage"))) == 3
+    again = tmp_path / "again"
+    again.mkdir(mode=0o700)
+    daemons.append(start(again, disk))
+    assert looked_up(daemons[1]) == [1.0, 2.0, 3.0]
+
+
 def tier_counts(daemon: DaemonProcess) -> TierCounts:
     with internal_channel(daemon.address) as channel:
         stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest())
