@@ -144,3 +144,15 @@ def test_only_the_frontend_and_the_gateway_are_published_on_loopback_and_the_res
     networks = compose_config("docker-compose.yml", "docker-compose.cpu.yml")["networks"]
     assert networks["internal"]["internal"] is True  # no route out, nothing published
     assert not networks["edge"].get("internal")
+
+
+def test_the_cpu_daemon_keeps_evicted_pages_on_a_volume_that_outlives_it(cpu: dict) -> None:
+    daemon = cpu["daemon"]
+    command = daemon["command"]
+    folder = command[command.index("--kv-disk") + 1]
+    assert command[command.index("--kv-disk-size") + 1] == "8GiB"
+    (volume,) = [v for v in daemon["volumes"] if v["type"] == "volume" and v["source"] == "kv-disk"]
+    # The tier's folder is made, 0700, inside the volume, whose root is root's 0755 (a squat-proof parent).
+    assert folder.startswith(volume["target"] + "/")
+    assert "kv-disk" in compose_config("docker-compose.yml", "docker-compose.cpu.yml")["volumes"]
+    assert [v["source"] for v in cpu["worker"]["volumes"]] == ["models"]  # only the daemon reads the tier
