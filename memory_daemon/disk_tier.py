@@ -95,6 +95,9 @@ class DiskTier:
         self._bytes = 0
         self._pending: dict[str, tuple[bytes, StoredPage]] = {}  # put, not yet written: name -> (owner, page)
         self._pending_bytes = 0
+        self._identity: dict[str, tuple[bytes, bytes]] = {}  # file name -> (owner, key)
+        # owner -> keys let go since its last `take_removed`, kept only for owners that ask (those attached)
+        self._removed: dict[bytes, list[bytes]] = {}
         self._counts = dict.fromkeys(
             ("demotions", "promotions", "bytes_written", "bytes_read", "dropped", "rejected"), 0
         )
@@ -146,6 +149,7 @@ class DiskTier:
                 self._counts["dropped"] += 1
             self._size_of[name] = size
             self._bytes += size
+            self._identity[name] = (owner, page.key)
             self._pending[name] = (owner, page)
             self._pending_bytes += size
         if self._writer is None:
@@ -197,6 +201,13 @@ class DiskTier:
             if name in self._size_of:
                 self._remove(name)
 
+    def take_removed(self, owner: bytes) -> list[bytes]:
+        """The keys of owner's pages let go (for room, refused, discarded) since the last call."""
+        with self._lock:
+            taken = self._removed.get(owner, [])
+            self._removed[owner] = []
+            return taken
+
     def discard_owner(self, owner: bytes) -> int:
         """Delete every page of owner's; returns how many (their headers are read to know whose they are)."""
         with self._lock:
@@ -217,6 +228,7 @@ class DiskTier:
                     if self._pending.pop(name, None) is not None:
                         self._pending_bytes -= self._size_of.get(name, 0)
                         self._bytes -= self._size_of.pop(name, 0)
+                        self._forget_identity(name)
                         self._counts["dropped"] += 1
 
     def _write(self, name: str) -> None:
@@ -250,9 +262,11 @@ class DiskTier:
             header = self._header(name, size)
             if header is None:
                 continue
-            if file_name(*_header_owner_key(header)) != name:
+            owner_key = _header_owner_key(header)
+            if file_name(*owner_key) != name:
                 self._reject(name, "it is not a page file this daemon wrote")
                 continue
+            self._identity[name] = owner_key
             self._size_of[name] = size
             self._bytes += size
         while self._bytes > self.capacity_bytes:  # the budget may have shrunk since
@@ -282,16 +296,23 @@ class DiskTier:
         self._counts["rejected"] += 1
         if name in self._size_of:
             self._bytes -= self._size_of.pop(name)
+        self._forget_identity(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.folder / name)
 
     def _remove(self, name: str) -> None:
         size = self._size_of.pop(name)
         self._bytes -= size
+        self._forget_identity(name)
         if self._pending.pop(name, None) is not None:
             self._pending_bytes -= size  # the writer finds it gone, and writes nothing
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.folder / name)
+
+    def _forget_identity(self, name: str) -> None:
+        identity = self._identity.pop(name, None)
+        if identity is not None and identity[0] in self._removed:
+            self._removed[identity[0]].append(identity[1])
 
 
 class Located(NamedTuple):

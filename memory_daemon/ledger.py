@@ -34,6 +34,7 @@ from memory_daemon.disk_tier import StoredPage
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
 from memory_daemon.pins import Pins
 from memory_daemon.prefix import PrefixIndex, Published
+from memory_daemon.prefix_events import DISK, Stored
 from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
 from memory_daemon.stats import PoolCounts, TenantPins
@@ -44,9 +45,8 @@ from pagedserve.plumbing.pin_limits import check_tenant, check_ttl
 class LowerTier(Protocol):
     """Where evicted pages go and hits come back from (memory_daemon/tiers.py's PoolTier)."""
 
-    def demote(
-        self, model_id: str, key: bytes, page: int, parent: bytes, token_ids: tuple[int, ...]
-    ) -> None: ...
+    def demote(self, model_id: str, key: bytes, page: int, parent: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Keep the page's bytes under key; whether the tier holds it now."""
 
     def has(self, model_id: str, key: bytes) -> bool: ...
 
@@ -59,6 +59,9 @@ class LowerTier(Protocol):
     def forget(self, model_id: str, key: bytes) -> None: ...
 
     def flush(self, model_id: str) -> int: ...
+
+    def take_removed(self, model_id: str) -> list[bytes]:
+        """The keys of model_id's pages the tier let go since the last call (for the index's events)."""
 
 
 class PinRequest(NamedTuple):
@@ -170,7 +173,7 @@ class PageLedger(RequestChecks):
             self._holder[page] = lease
         lease.pages.update(pages)
         self._evict(self.low_watermark - self.free_pages)
-        self.index.commit()
+        self._commit()
         return pages
 
     def report_idle(self, lease: Lease, idle: int) -> None:
@@ -241,7 +244,7 @@ class PageLedger(RequestChecks):
         for page in release:
             lease.pages.remove(page)
             self._free_page(page)
-        self.index.commit()
+        self._commit()
         return indexed
 
     def lookup(self, lease: Lease, keys: Sequence[bytes]) -> list[int]:
@@ -267,7 +270,7 @@ class PageLedger(RequestChecks):
         self.prefix_hits += bool(pages)
         self.prefix_queried_pages += len(keys)
         self.prefix_hit_pages += len(pages)
-        self.index.commit()
+        self._commit()
         return pages
 
     def check_pins(self, tenant: str, pages: int, pool_id: int) -> None:
@@ -308,7 +311,7 @@ class PageLedger(RequestChecks):
             self._index_promoted(model_id, page, stored)
             self.index.mark_idle(page)
             admitted += 1
-        self.index.commit()
+        self._commit()
         return admitted
 
     def cached_run(self, model_id: str, keys: Sequence[bytes]) -> int:
@@ -387,7 +390,7 @@ class PageLedger(RequestChecks):
             self.pins.drop(page)
             if self._refs[page] == 0:
                 self._free_page(page)
-        self.index.commit()
+        self._commit()
         return len(pages)
 
     def _drop_refs(self, lease: Lease, page: int, count: int) -> None:
@@ -400,6 +403,14 @@ class PageLedger(RequestChecks):
                 self._free_page(page)
             elif page not in self.pins:  # a pinned page turns idle (evictable) when its last pin ends
                 self.index.mark_idle(page)
+
+    def _commit(self) -> None:
+        """End one call's batch of index events, with the pages the lower tier let go meanwhile."""
+        if self.tier is not None:
+            for model_id, events in self.index.events.items():
+                for key in self.tier.take_removed(model_id):
+                    events.removed(key, DISK)
+        self.index.commit()
 
     def _pin(self, model_id: str, request: PinRequest) -> None:
         now = self._clock()
@@ -418,10 +429,14 @@ class PageLedger(RequestChecks):
             page = self.index.oldest_idle()
             if page is None:
                 return
-            if self.tier is not None:
-                entry = self.index.entry(page)
-                self.tier.demote(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
+            entry = self.index.entry(page)
+            on_disk = self.tier is not None and self.tier.demote(
+                entry.model_id, entry.key, page, entry.parent, entry.token_ids
+            )
             self.index.remove(page)
+            if on_disk:
+                events = self.index.events_of(entry.model_id)
+                events.stored(Stored(entry.key, entry.parent, entry.token_ids, DISK))
             self.publishers.forget(page)
             self._free_page(page)
             self.evictions += 1

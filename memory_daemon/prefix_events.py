@@ -2,7 +2,10 @@
 
 Every announced page that enters or leaves the index is recorded as it happens (`PrefixIndex` calls
 `stored` and `removed`), and `commit` closes the changes of one ledger call into one numbered batch; a page
-published without its tokens (one of a salted prompt, which only that salt may find) is not announced. A
+published without its tokens (one of a salted prompt, which only that salt may find) is not announced.
+Each change names its medium (the pool, or the disk tier below it), since a lookup finds a page in either:
+a page the pool evicts into the tier leaves the pool and is stored on disk, one promoted back is stored
+in the pool again (and stays on disk), and one the tier lets go leaves the disk. A
 model's numbers count up by one from the daemon's start time in microseconds, so a restarted daemon's
 always number above an old one's, and its first batch says that nothing is cached (cleared).
 A new subscriber (after 0) first gets the whole state as one batch, numbered as the last: cleared, then every
@@ -26,16 +29,21 @@ HISTORY_BATCHES = 4096
 MAX_BEHIND = 4096
 
 
+POOL, DISK = "pool", "disk"  # a cached page's medium: the daemon's pool (device memory), or the disk tier
+
+
 @dataclass(frozen=True)
 class Stored:
     key: bytes
     parent: bytes  # the key before it in its chain; empty for a prompt's first page
     token_ids: tuple[int, ...]
+    medium: str = POOL
 
 
 @dataclass(frozen=True)
 class Removed:
     key: bytes
+    medium: str = POOL
 
 
 @dataclass(frozen=True)
@@ -85,18 +93,20 @@ class ModelEvents:
         self.sequence = int(clock() * 1e6)
         self._history: deque[Batch] = deque(maxlen=HISTORY_BATCHES)
         self._pending: list[Change] = []
-        self._live: dict[bytes, Stored] = {}  # in the order stored: a parent before its children
+        # In the order stored, a parent before its children; a page may be live in both media.
+        self._live: dict[tuple[bytes, str], Stored] = {}
         self.subscribers: set[Subscription] = set()
         self._history.append(Batch(self.sequence, clock(), (Cleared(),)))
 
     def stored(self, change: Stored) -> None:
-        if change.token_ids:
+        if change.token_ids and (change.key, change.medium) not in self._live:
             self._pending.append(change)
-            self._live[change.key] = change
+            self._live[change.key, change.medium] = change
 
-    def removed(self, key: bytes) -> None:
-        if self._live.pop(key, None) is not None:
-            self._pending.append(Removed(key))
+    def removed(self, key: bytes, medium: str = POOL) -> None:
+        """Record a page leaving a medium; nothing for one never announced there (a salted prompt's)."""
+        if self._live.pop((key, medium), None) is not None:
+            self._pending.append(Removed(key, medium))
 
     def commit(self) -> None:
         if not self._pending:

@@ -45,10 +45,11 @@ class PoolTier:
         self._shape = shape
         self._owners: dict[str, bytes] = {}
 
-    def demote(self, model_id: str, key: bytes, page: int, parent: bytes, token_ids: tuple[int, ...]) -> None:
+    def demote(self, model_id: str, key: bytes, page: int, parent: bytes, token_ids: tuple[int, ...]) -> bool:
         owner = self._owner(model_id)
-        if not self.disk.has(owner, key):
-            self.disk.put(owner, StoredPage(key, parent, token_ids, self._copier.read(page)))
+        if self.disk.has(owner, key):
+            return True
+        return self.disk.put(owner, StoredPage(key, parent, token_ids, self._copier.read(page)))
 
     def has(self, model_id: str, key: bytes) -> bool:
         return self.disk.has(self._owner(model_id), key)
@@ -102,6 +103,9 @@ class PoolTier:
 
     def flush(self, model_id: str) -> int:
         return self.disk.discard_owner(self._owner(model_id))
+
+    def take_removed(self, model_id: str) -> list[bytes]:
+        return self.disk.take_removed(self._owner(model_id))
 
     def _owner(self, model_id: str) -> bytes:
         if model_id not in self._owners:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from memory_daemon.disk_tier import TierCounts
 from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
 from memory_daemon.pool import Pool
-from memory_daemon.prefix_events import Batch, Removed, Stored
+from memory_daemon.prefix_events import DISK, POOL, Batch, Removed, Stored
 from memory_daemon.shape import DEFAULT_PAGE_SIZE, PoolShape
 from memory_daemon.stats import PoolCounts, PublisherUsage, TenantPins, WorkerUsage
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.plumbing.messages import from_message, to_message
+
+_MEDIA = {POOL: memory_pb2.MEDIUM_POOL, DISK: memory_pb2.MEDIUM_DISK}
 
 
 def shape_to_pb(shape: PoolShape) -> memory_pb2.PoolShape:
@@ -89,9 +91,9 @@ def batch_to_pb(batch: Batch) -> memory_pb2.PrefixIndexBatch:
     for change in batch.changes:
         if isinstance(change, Stored):
             stored = memory_pb2.CachedPage(key=change.key, parent=change.parent, token_ids=change.token_ids)
-            pb.changes.add(stored=stored)
+            pb.changes.add(stored=stored, medium=_MEDIA[change.medium])
         elif isinstance(change, Removed):
-            pb.changes.add(removed=change.key)
+            pb.changes.add(removed=change.key, medium=_MEDIA[change.medium])
         else:
             pb.changes.add(cleared=True)
     return pb

@@ -4,7 +4,8 @@ The daemon is the one authority on what this node has cached, and it outlives wo
 events come from it, not from the workers: each daemon batch becomes one `smg.grpc.common.KvEventBatch`
 with its sequence number. A page is a block: its hash is the first 8 bytes of its chain key (as a signed
 64-bit integer), its parent's likewise, and it carries its tokens, so that a gateway can follow prefixes by
-content; a page of a salted prompt is not announced. When the daemon goes away the stream ends with
+content; a page of a salted prompt is not announced. Each block names its tier: DEVICE for the daemon's
+pool, DISK for its disk tier (a page may be in both). When the daemon goes away the stream ends with
 UNAVAILABLE and the gateway subscribes again from its last sequence number, which a restarted daemon refuses
 with OUT_OF_RANGE: the gateway then drops what it knew of this node and starts over from the whole state.
 """
@@ -22,8 +23,12 @@ from pagedserve.plumbing.errors import StatusError, Unavailable
 from pagedserve.plumbing.rpc import CHANNEL_OPTIONS, check_peer_before_secret
 from pagedserve.worker.v1 import worker_pb2
 
-_DEVICE = common_pb2.KV_CACHE_TIER_DEVICE
 _LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
+# The daemon's media as SMG's tiers, and the raw medium string each comes from.
+_TIERS = {
+    memory_pb2.MEDIUM_POOL: (common_pb2.KV_CACHE_TIER_DEVICE, "pool"),
+    memory_pb2.MEDIUM_DISK: (common_pb2.KV_CACHE_TIER_DISK, "disk"),
+}
 
 
 def block_hash(key: bytes) -> int:
@@ -89,10 +94,12 @@ class NodeCache:
                 )
                 if page.parent:
                     stored.parent_block_hash = block_hash(page.parent)
-                stored.tier, stored.locality = _DEVICE, _LOCAL
+                stored.tier, stored.medium = _TIERS[change.medium]
+                stored.locality = _LOCAL
             elif kind == "removed":
                 event.removed.block_hashes.append(block_hash(change.removed))
-                event.removed.tier, event.removed.locality = _DEVICE, _LOCAL
+                event.removed.tier, event.removed.medium = _TIERS[change.medium]
+                event.removed.locality = _LOCAL
             else:
                 event.cleared.SetInParent()
         return out

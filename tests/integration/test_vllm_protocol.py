@@ -232,6 +232,8 @@ def test_kv_events_follow_the_daemons_index_and_flush_empties_it(stack: Stack, g
     blocks = [block for s in stored() for block in s.blocks]
     assert [t for block in blocks[: len(ids) // 16] for t in block.token_ids] == ids[: len(ids) // 16 * 16]
     assert not stored()[0].HasField("parent_block_hash")
+    # The stack has no disk tier: every block is in the pool, SMG's DEVICE tier.
+    assert {(s.tier, s.medium) for s in stored()} == {(common_pb2.KV_CACHE_TIER_DEVICE, "pool")}
     assert [s.parent_block_hash for s in stored()[1:3]] == [b.block_hash for b in blocks[:2]]
     assert all(b.sequence_number == state.sequence_number + i + 1 for i, b in enumerate(batches))
     flushed = vllm.FlushCache(common_pb2.FlushCacheRequest())

@@ -13,6 +13,7 @@ import pytest
 from memory_daemon.disk_tier import DiskTier, StoredPage, fingerprint
 from memory_daemon.ledger import PageLedger
 from memory_daemon.prefix import Published, page_keys
+from memory_daemon.prefix_events import DISK, POOL, Cleared, Stored
 from memory_daemon.publishers import PROMOTED
 from memory_daemon.shape import PoolShape
 from memory_daemon.tiers import PageCopier, PoolTier
@@ -175,6 +176,50 @@ def test_the_ledger_demotes_on_eviction_and_promotes_on_a_lookup(tmp_path: Path)
 
     ledger.update(reader, unref=found)
     assert ledger.flush("m") == 2 and disk.counts().pages == 0  # a flush empties both tiers
+    ledger.check_invariants()
+
+
+def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Path) -> None:
+    """A page the pool evicts leaves the pool and is stored on disk; one promoted back is stored in the pool
+    again and stays on disk; one the tier lets go (for room) leaves the disk. A new watcher's whole state
+    holds each page in each medium it is in."""
+    pages = 4  # three usable
+    memory = mmap.mmap(-1, pages * SHAPE.page_bytes)
+    page_file = SHAPE.page_bytes + 200
+    disk = inline(tmp_path, 2 * page_file)  # room for two pages' files
+    ledger = PageLedger(pages, tier=PoolTier(disk, PageCopier(memory, SHAPE, pages), SHAPE))
+    lease = ledger.open_lease("w", "m")
+    tokens = list(range(12))
+    keys = page_keys(tokens, SHAPE.page_size)
+    events = ledger.index.events_of("m")
+    watcher = events.subscribe(0)
+
+    def changes() -> list[tuple[str, int, str]]:
+        """The batches so far, as (what, page of the chain, medium)."""
+        seen = []
+        while not watcher._queue.empty():
+            for change in watcher._queue.get_nowait().changes:  # type: ignore[union-attr]
+                if not isinstance(change, Cleared):
+                    seen.append((type(change).__name__, keys.index(change.key), change.medium))
+        return seen
+
+    held = ledger.grant(lease, 3)
+    assert held is not None
+    parents = [b"", *keys[:-1]]
+    ledger.update(lease, publish=[Published(k, p, parents[i], tuple(tokens[4 * i : 4 * i + 4]))
+                                  for i, (k, p) in enumerate(zip(keys, held, strict=True))])  # fmt: skip
+    ledger.update(lease, unref=held)
+    assert changes() == [("Stored", 0, POOL), ("Stored", 1, POOL), ("Stored", 2, POOL)]
+    taken = ledger.grant(lease, 2)  # evicts pages 0 and 1: onto the disk
+    assert taken is not None
+    assert changes() == [("Removed", 0, POOL), ("Stored", 0, DISK), ("Removed", 1, POOL), ("Stored", 1, DISK)]
+    ledger.update(lease, release=taken)
+    assert ledger.lookup(lease, keys[:1]) != []  # promoted: in the pool again, and still on disk
+    assert changes() == [("Stored", 0, POOL)]
+    ledger.grant(lease, 2)  # evicts page 2 (the oldest idle), whose file pushes page 1's off the disk
+    assert changes() == [("Removed", 2, POOL), ("Stored", 2, DISK), ("Removed", 1, DISK)]
+    state = [(keys.index(c.key), c.medium) for c in events.snapshot().changes if isinstance(c, Stored)]
+    assert sorted(state) == [(0, DISK), (0, POOL), (2, DISK)]
     ledger.check_invariants()
 
 

@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_POOL: _ClassVar[Medium]
+    MEDIUM_DISK: _ClassVar[Medium]
+MEDIUM_POOL: Medium
+MEDIUM_DISK: Medium
 
 class PoolShape(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
@@ -367,14 +375,16 @@ class CachedPage(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixIndexChange(_message.Message):
-    __slots__ = ("stored", "removed", "cleared")
+    __slots__ = ("stored", "removed", "cleared", "medium")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     stored: CachedPage
     removed: bytes
     cleared: bool
-    def __init__(self, stored: _Optional[_Union[CachedPage, _Mapping]] = ..., removed: _Optional[bytes] = ..., cleared: _Optional[bool] = ...) -> None: ...
+    medium: Medium
+    def __init__(self, stored: _Optional[_Union[CachedPage, _Mapping]] = ..., removed: _Optional[bytes] = ..., cleared: _Optional[bool] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
 
 class PrefixIndexBatch(_message.Message):
     __slots__ = ("sequence", "timestamp", "changes")
