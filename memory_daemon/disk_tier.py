@@ -64,6 +64,15 @@ class StoredPage(NamedTuple):
     payload: bytes
 
 
+class Kept(NamedTuple):
+    """A page the tier keeps, as the index's events name it."""
+
+    owner: bytes
+    key: bytes
+    parent: bytes
+    token_ids: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class TierCounts:
     """The tier's size and traffic since the daemon started: pages and bytes on disk, pages written
@@ -95,7 +104,7 @@ class DiskTier:
         self._bytes = 0
         self._pending: dict[str, tuple[bytes, StoredPage]] = {}  # put, not yet written: name -> (owner, page)
         self._pending_bytes = 0
-        self._identity: dict[str, tuple[bytes, bytes]] = {}  # file name -> (owner, key)
+        self._identity: dict[str, Kept] = {}  # file name -> whose page it is, for events
         # owner -> keys let go since its last `take_removed`, kept only for owners that ask (those attached)
         self._removed: dict[bytes, list[bytes]] = {}
         self._counts = dict.fromkeys(
@@ -149,7 +158,7 @@ class DiskTier:
                 self._counts["dropped"] += 1
             self._size_of[name] = size
             self._bytes += size
-            self._identity[name] = (owner, page.key)
+            self._identity[name] = Kept(owner, page.key, page.parent, page.token_ids)
             self._pending[name] = (owner, page)
             self._pending_bytes += size
         if self._writer is None:
@@ -201,6 +210,11 @@ class DiskTier:
             if name in self._size_of:
                 self._remove(name)
 
+    def kept(self, owner: bytes) -> list[Kept]:
+        """Every page owner keeps here, least recently used first."""
+        with self._lock:
+            return [kept for name in self._size_of if (kept := self._identity[name]).owner == owner]
+
     def take_removed(self, owner: bytes) -> list[bytes]:
         """The keys of owner's pages let go (for room, refused, discarded) since the last call."""
         with self._lock:
@@ -209,9 +223,9 @@ class DiskTier:
             return taken
 
     def discard_owner(self, owner: bytes) -> int:
-        """Delete every page of owner's; returns how many (their headers are read to know whose they are)."""
+        """Delete every page of owner's; returns how many."""
         with self._lock:
-            names = [name for name in list(self._size_of) if self._owner_of(name) == owner]
+            names = [name for name in self._size_of if self._identity[name].owner == owner]
             for name in names:
                 self._remove(name)
             return len(names)
@@ -262,11 +276,12 @@ class DiskTier:
             header = self._header(name, size)
             if header is None:
                 continue
-            owner_key = _header_owner_key(header)
-            if file_name(*owner_key) != name:
+            fields = _fields(header)
+            if fields is None or file_name(fields[0], fields[3]) != name:
                 self._reject(name, "it is not a page file this daemon wrote")
                 continue
-            self._identity[name] = owner_key
+            owner, _, _, key, parent, token_ids, _ = fields
+            self._identity[name] = Kept(owner, key, parent, token_ids)
             self._size_of[name] = size
             self._bytes += size
         while self._bytes > self.capacity_bytes:  # the budget may have shrunk since
@@ -275,12 +290,6 @@ class DiskTier:
             log.info(
                 "disk tier %s: %d pages from before (%d bytes)", self.folder, len(self._size_of), self._bytes
             )
-
-    def _owner_of(self, name: str) -> bytes | None:
-        if name in self._pending:
-            return self._pending[name][0]
-        header = self._header(name, self._size_of[name])
-        return None if header is None else _header_owner_key(header)[0]
 
     def _header(self, name: str, size: int) -> bytes | None:
         """The file's first bytes, a header's worth; None if it fails the file checks (then it is deleted
@@ -311,8 +320,8 @@ class DiskTier:
 
     def _forget_identity(self, name: str) -> None:
         identity = self._identity.pop(name, None)
-        if identity is not None and identity[0] in self._removed:
-            self._removed[identity[0]].append(identity[1])
+        if identity is not None and identity.owner in self._removed:
+            self._removed[identity.owner].append(identity.key)
 
 
 class Located(NamedTuple):
@@ -400,12 +409,6 @@ def _encode(owner: bytes, page: StoredPage) -> bytes:
 
 def _header_limit() -> int:
     return len(MAGIC) + _FIXED.size + 2 * MAX_KEY_BYTES + 4 * _MAX_TOKENS
-
-
-def _header_owner_key(data: bytes) -> tuple[bytes, bytes]:
-    """(fingerprint, key) from a file's first bytes; empty ones where the header is malformed."""
-    fields = _fields(data)
-    return (fields[0], fields[3]) if fields else (b"", b"")
 
 
 def _fields(data: bytes) -> tuple[bytes, int, int, bytes, bytes, tuple[int, ...], int] | None:

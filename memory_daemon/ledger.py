@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from memory_daemon.checks import RequestChecks
-from memory_daemon.disk_tier import StoredPage
+from memory_daemon.disk_tier import Kept, StoredPage
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
 from memory_daemon.pins import Pins
 from memory_daemon.prefix import PrefixIndex, Published
-from memory_daemon.prefix_events import DISK, Stored
+from memory_daemon.prefix_events import DISK, ModelEvents, Stored
 from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
 from memory_daemon.stats import PoolCounts, TenantPins
@@ -62,6 +62,9 @@ class LowerTier(Protocol):
 
     def take_removed(self, model_id: str) -> list[bytes]:
         """The keys of model_id's pages the tier let go since the last call (for the index's events)."""
+
+    def kept(self, model_id: str) -> list[Kept]:
+        """Every page of model_id's the tier keeps (a restarted daemon's, too), least recently used first."""
 
 
 class PinRequest(NamedTuple):
@@ -97,6 +100,7 @@ class PageLedger(RequestChecks):
         self._clock = clock
         self.tier = tier
         self.pins = Pins(num_pages - 1, pin_share, tenant_pin_share)
+        self._announced: set[str] = set()  # models whose pages in the lower tier their events announced
         self._state = bytearray(num_pages)
         self._state[NULL_PAGE] = PageState.NULL
         self._holder: list[Lease | None] = [None] * num_pages
@@ -404,10 +408,21 @@ class PageLedger(RequestChecks):
             elif page not in self.pins:  # a pinned page turns idle (evictable) when its last pin ends
                 self.index.mark_idle(page)
 
+    def events_of(self, model_id: str) -> ModelEvents:
+        """The model's index events, the pages its lower tier keeps announced in them first."""
+        events = self.index.events_of(model_id)
+        self._commit()
+        return events
+
     def _commit(self) -> None:
-        """End one call's batch of index events, with the pages the lower tier let go meanwhile."""
+        """End one call's batch of index events, with the pages the lower tier let go meanwhile; the first
+        for a model also announces every page the tier kept for it (a warm restart's), parents first."""
         if self.tier is not None:
             for model_id, events in self.index.events.items():
+                if model_id not in self._announced:
+                    self._announced.add(model_id)
+                    for kept in parents_first(self.tier.kept(model_id)):
+                        events.stored(Stored(kept.key, kept.parent, kept.token_ids, DISK))
                 for key in self.tier.take_removed(model_id):
                     events.removed(key, DISK)
         self.index.commit()
@@ -462,3 +477,19 @@ class PageLedger(RequestChecks):
         self._state[page] = PageState.SHARED
         self.index.add(model_id, stored.key, page, stored.parent, stored.token_ids)
         self.publishers.record_promoted(page, model_id)
+
+
+def parents_first(pages: Sequence[Kept]) -> list[Kept]:
+    """pages reordered so that a page's parent, where it is among them, comes before it."""
+    by_key = {page.key: page for page in pages}
+    placed: set[bytes] = set()
+    ordered: list[Kept] = []
+    for page in pages:
+        chain: list[Kept] = []
+        found: Kept | None = page
+        while found is not None and found.key not in placed:
+            placed.add(found.key)
+            chain.append(found)
+            found = by_key.get(found.parent)
+        ordered.extend(reversed(chain))
+    return ordered

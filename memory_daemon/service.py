@@ -205,11 +205,8 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def WatchPrefixIndex(
         self, request: memory_pb2.WatchPrefixIndexRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[memory_pb2.PrefixIndexBatch]:
-        subscription = (
-            self._model_pool(request.model_id)
-            .ledger.index.events_of(request.model_id)
-            .subscribe(request.after_sequence)
-        )
+        ledger = self._model_pool(request.model_id).ledger
+        subscription = ledger.events_of(request.model_id).subscribe(request.after_sequence)
         try:
             while True:
                 yield batch_to_pb(await subscription.next())

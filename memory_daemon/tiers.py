@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable
 
-from memory_daemon.disk_tier import DiskTier, Located, Read, StoredPage, fingerprint, read_page
+from memory_daemon.disk_tier import DiskTier, Kept, Located, Read, StoredPage, fingerprint, read_page
 from memory_daemon.shape import PoolShape
 
 
@@ -106,6 +106,9 @@ class PoolTier:
 
     def take_removed(self, model_id: str) -> list[bytes]:
         return self.disk.take_removed(self._owner(model_id))
+
+    def kept(self, model_id: str) -> list[Kept]:
+        return self.disk.kept(self._owner(model_id))
 
     def _owner(self, model_id: str) -> bytes:
         if model_id not in self._owners:

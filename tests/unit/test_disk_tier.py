@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from memory_daemon.disk_tier import DiskTier, StoredPage, fingerprint
-from memory_daemon.ledger import PageLedger
+from memory_daemon.disk_tier import DiskTier, Kept, StoredPage, fingerprint
+from memory_daemon.ledger import PageLedger, parents_first
 from memory_daemon.prefix import Published, page_keys
 from memory_daemon.prefix_events import DISK, POOL, Cleared, Stored
 from memory_daemon.publishers import PROMOTED
@@ -221,6 +221,24 @@ def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Pat
     state = [(keys.index(c.key), c.medium) for c in events.snapshot().changes if isinstance(c, Stored)]
     assert sorted(state) == [(0, DISK), (0, POOL), (2, DISK)]
     ledger.check_invariants()
+
+    # A restarted daemon announces what its tier kept, with each page's parent and tokens, before anything.
+    again = PageLedger(
+        pages, tier=PoolTier(inline(tmp_path, 2 * page_file), PageCopier(memory, SHAPE, pages), SHAPE)
+    )
+    kept = [c for c in again.events_of("m").snapshot().changes if isinstance(c, Stored)]
+    assert [(keys.index(c.key), c.medium, c.parent, c.token_ids) for c in kept] == [
+        (0, DISK, b"", (0, 1, 2, 3)),
+        (2, DISK, keys[1], (8, 9, 10, 11)),
+    ]
+
+
+def test_a_restarts_pages_are_announced_parents_first() -> None:
+    def kept(key: bytes, parent: bytes) -> Kept:
+        return Kept(OWNER, key, parent, (1,))
+
+    child, parent, root, other = kept(b"c", b"p"), kept(b"p", b"r"), kept(b"r", b""), kept(b"o", b"gone")
+    assert parents_first([child, other, parent, root]) == [root, parent, child, other]
 
 
 def test_the_writer_thread_serves_a_page_before_its_file_and_never_leaves_one_removed(tmp_path: Path) -> None:
