@@ -153,22 +153,22 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         ledger, keys = pool.ledger, list(request.keys)
         if len(keys) > ledger.usable_pages:
             raise InvalidArgument(f"{len(keys)} keys is more than the pool's {ledger.usable_pages} pages")
-        wanted = ledger.promotable(lease.model_id, keys)
+        # What another prefetch is reading already is left to it: the lookup waits for both.
+        marks = {
+            key: mark
+            for key in ledger.promotable(lease.model_id, keys)
+            if (mark := (pool.pool_id, lease.model_id, key)) not in self._prefetching
+        }
         promoted = 0
-        if wanted and pool.tier is not None:
-            marks = [
-                (pool.pool_id, lease.model_id, key)
-                for key in wanted
-                if (pool.pool_id, lease.model_id, key) not in self._prefetching
-            ]
+        if marks and pool.tier is not None:
             done = asyncio.get_running_loop().create_future()
-            for mark in marks:
+            for mark in marks.values():
                 self._prefetching[mark] = done
             try:
-                reads = await asyncio.to_thread(pool.tier.read(lease.model_id, wanted))
+                reads = await asyncio.to_thread(pool.tier.read(lease.model_id, list(marks)))
                 promoted = ledger.admit_promoted(lease.model_id, pool.tier.settle(reads))
             finally:
-                for mark in marks:
+                for mark in marks.values():
                     del self._prefetching[mark]
                 done.set_result(None)
         return memory_pb2.PrefetchResponse(promoted=promoted, cached=ledger.cached_run(lease.model_id, keys))
