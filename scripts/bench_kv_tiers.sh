@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The daemon's disk tier on pagedserve bench's multi-turn workload: the same sessions against a stack with a
-# pool far smaller than their working set, with the tier (--kv-disk) and without, and against one whose pool
-# holds everything (the in-memory ideal). Each stack runs alone: started, loaded, its daemon's metrics kept,
-# stopped. Then scripts/bench_table.py writes the table.
+# pool far smaller than their working set, with the tier (--kv-disk) and without, against one whose pool
+# holds everything (the in-memory ideal), and against vLLM's CPU build with prefix caching (in bfloat16, its
+# KV cache at the 1 GB it takes at least; $VLLM_PYTHON, beside pagedserve, never its dependency). Each
+# server runs alone: started, loaded, its metrics kept, stopped. Then the table.
 #
 #   scripts/bench_kv_tiers.sh OUT [INPUT_LEN [OUTPUT_LEN [SESSIONS]]]   (defaults: 256-512, 32-64, 32)
 #
@@ -15,6 +16,7 @@ input_len=${2:-256-512}
 output_len=${3:-32-64}
 sessions=${4:-32}
 model=${MODEL:-$HOME/.cache/pagedserve/models/SmolLM2-135M-Instruct}
+vllm_python=${VLLM_PYTHON:-/work/peers/vllm-venv/bin/python}
 run_dir=$(mktemp -d)
 server=
 trap 'stop; rm -rf "$run_dir" "$out/disk"' EXIT
@@ -27,6 +29,14 @@ stop() {
   fi
 }
 
+sessions_bench() {  # $1: the system's name, $2: its address; the rest: flags for bench
+  local name=$1 address=$2
+  shift 2
+  "$here/.venv/bin/pagedserve" bench --target "$name=$address" --model "$model" --wait 900 \
+    --workload multi-turn --requests "$sessions" --turns 6 --concurrency 4 --seed 11 \
+    --input-len "$input_len" --output-len "$output_len" --out "$out/$name/multi-turn" "$@"
+}
+
 one() {  # $1: the system's name; the rest: flags for `pagedserve up`
   local name=$1
   shift
@@ -35,10 +45,7 @@ one() {  # $1: the system's name; the rest: flags for `pagedserve up`
     --quantization int8 --max-batched-tokens 2048 --gateway-address 127.0.0.1:50071 "$@" \
     >"$out/$name/server.log" 2>&1 &
   server=$!
-  "$here/.venv/bin/pagedserve" bench --target "$name=127.0.0.1:50051" --model "$model" --wait 300 \
-    --workload multi-turn --requests "$sessions" --turns 6 --concurrency 4 --seed 11 \
-    --input-len "$input_len" --output-len "$output_len" --endpoints "$run_dir/$name/endpoints.json" \
-    --out "$out/$name/multi-turn"
+  sessions_bench "$name" 127.0.0.1:50051 --endpoints "$run_dir/$name/endpoints.json"
   local metrics
   metrics=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["daemon"]["metrics"])' \
     "$run_dir/$name/endpoints.json")
@@ -49,6 +56,14 @@ one() {  # $1: the system's name; the rest: flags for `pagedserve up`
 one tier --kv-memory 512MiB --kv-disk "$out/disk" --kv-disk-size 8GiB
 one no-tier --kv-memory 512MiB
 one in-memory --kv-memory 4GiB
+mkdir -p "$out/vllm"
+VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid "$vllm_python" -m \
+  vllm.entrypoints.openai.api_server --model "$model" --dtype bfloat16 --max-model-len 8192 --port 8000 \
+  --enable-prefix-caching --enable-prompt-tokens-details >"$out/vllm/server.log" 2>&1 &
+server=$!
+for _ in $(seq 900); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && break; sleep 1; done
+sessions_bench vllm http://127.0.0.1:8000
+stop
 "$here/.venv/bin/python" - "$out" <<'TABLE' | tee "$out/table.md"
 import json, sys
 from pathlib import Path
@@ -56,7 +71,7 @@ from pathlib import Path
 folder = Path(sys.argv[1])
 print("| system | prefix hits | of the ideal | TTFT p50 | TTFT p99 | out tok/s | TPOT p50 |")
 print("|---|---|---|---|---|---|---|")
-for name in ("tier", "no-tier", "in-memory"):
+for name in ("tier", "no-tier", "in-memory", "vllm"):
     result = json.loads((folder / name / "multi-turn" / "bench.json").read_text())
     (run,) = result["runs"]
     (ideal,) = result["config"]["ideal_prefix_hit_rate"].values()
