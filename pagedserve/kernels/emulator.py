@@ -5,6 +5,11 @@ The same sources NVRTC compiles are compiled by the host's C++ compiler with csr
 runs each CUDA thread as a fiber and each warp shuffle and barrier as a meeting of fibers. cuda_ops
 launches here when its tensors are on the CPU, with the same arguments it gives CuPy. It is slow (a few
 thousand threads a millisecond) and says nothing about speed.
+
+With PAGEDSERVE_EMULATE_RACECHECK=1 the kernels are built with every memory access instrumented, and a launch
+fails on a shared-memory race, an uninitialised shared read, or a cp.async target read too early (the
+checker is in csrc/emulate.h). The hooks are emulate.h's own: the library is compiled with -fsanitize=thread
+but linked without ThreadSanitizer's runtime, so it loads into any Python.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from pagedserve.plumbing.paths import cache_dir
 
 # The host compiler's flags: no strict aliasing, as NVRTC's sources read 16-bit types through other
 # types' pointers; no _FORTIFY_SOURCE, whose longjmp check refuses the jump between fiber stacks.
-CXXFLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE", "-w"]
+CXXFLAGS = ["-std=c++20", "-O1", "-fPIC", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE", "-w"]
+RACECHECK_FLAGS = [
+    "-fsanitize=thread",
+    "--param",
+    "tsan-instrument-func-entry-exit=0",
+    "-DPAGEDSERVE_RACECHECK=1",
+]
+RACECHECK_ENV = "PAGEDSERVE_EMULATE_RACECHECK"
 _KERNEL = re.compile(r'extern "C" __global__ void (\w+)\(')
 _ARGUMENT_TYPES: dict[type, type[ctypes._SimpleCData]] = {
     np.uint64: ctypes.c_uint64,  # a device pointer
@@ -76,21 +88,31 @@ def _argument(arg: object) -> ctypes._SimpleCData:
     return kind(arg.item())
 
 
-@functools.cache
+def racecheck() -> bool:
+    return os.environ.get(RACECHECK_ENV, "") not in ("", "0")
+
+
 def emulated_kernel(name: str, function: str, macros: tuple[tuple[str, object], ...]) -> EmulatedKernel:
-    """The kernel `function` of csrc/<name>.cu, built for the CPU with the given macros."""
-    return EmulatedKernel(_library(name, macros), function)
+    """The kernel `function` of csrc/<name>.cu, built for the CPU with the given macros (and the race
+    checker, under PAGEDSERVE_EMULATE_RACECHECK=1)."""
+    return _kernel(name, function, macros, racecheck())
 
 
 @functools.cache
-def _library(name: str, macros: tuple[tuple[str, object], ...]) -> ctypes.CDLL:
+def _kernel(
+    name: str, function: str, macros: tuple[tuple[str, object], ...], checked: bool
+) -> EmulatedKernel:
+    return EmulatedKernel(_library(source(name), name, macros, checked), function)
+
+
+@functools.cache
+def _library(text: str, name: str, macros: tuple[tuple[str, object], ...], checked: bool) -> ctypes.CDLL:
     cxx = compiler()
     if cxx is None:
         raise EmulatorError("no C++ compiler (c++ or $CXX) to build the emulated kernels")
-    text = source(name)
     entries = "".join(f"EMULATE_ENTRY({function})\n" for function in _KERNEL.findall(text))
     program = f'#include "emulate.h"\n{text}\n{entries}'
-    defines = [f"-D{key}={value}" for key, value in macros]
+    defines = [f"-D{key}={value}" for key, value in macros] + (RACECHECK_FLAGS if checked else [])
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     emulate_h = (CSRC / "emulate.h").read_text()
     key = hashlib.sha256(f"{program}|{emulate_h}|{defines}|{CXXFLAGS}|{version}".encode()).hexdigest()[:16]
@@ -98,9 +120,19 @@ def _library(name: str, macros: tuple[tuple[str, object], ...]) -> ctypes.CDLL:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        command = [cxx, *CXXFLAGS, f"-I{CSRC}", *defines, "-x", "c++", "-", "-o", str(scratch)]
-        done = subprocess.run(command, input=program, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise EmulatorError(f"{name}.cu with {dict(macros)} did not compile for the CPU:\n{done.stderr}")
+        # Compiled, then linked apart: -fsanitize=thread would link ThreadSanitizer's runtime too.
+        objects = scratch.with_suffix(".o")
+        compile_ = [cxx, *CXXFLAGS, f"-I{CSRC}", *defines, "-c", "-x", "c++", "-", "-o", str(objects)]
+        for command, stdin in (
+            (compile_, program),
+            ([cxx, "-shared", str(objects), "-o", str(scratch)], None),
+        ):
+            done = subprocess.run(command, input=stdin, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                objects.unlink(missing_ok=True)
+                raise EmulatorError(
+                    f"{name}.cu with {dict(macros)} did not build for the CPU:\n{done.stderr}"
+                )
+        objects.unlink()
         scratch.rename(path)  # atomic: a concurrent test sees a whole file or none
     return ctypes.CDLL(str(path))

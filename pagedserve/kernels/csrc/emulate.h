@@ -5,7 +5,18 @@
 // until all are done, then the next block starts, so `__shared__` arrays can be one static array per
 // kernel. Warp shuffles exchange through a slot per lane, behind a warp barrier: every lane of the warp must
 // reach the same shuffle, as on a GPU with a full mask. This is for checking results against the torch
-// reference; it says nothing about speed, and a race the barriers would hide on a GPU is not found here.
+// reference; it says nothing about speed.
+//
+// Round-robin fibers hide races: a thread that reads shared memory another wrote without a barrier between
+// them sees the write if the writer happened to run first. With PAGEDSERVE_RACECHECK (the emulator's
+// PAGEDSERVE_EMULATE_RACECHECK=1), every load and store is instrumented (GCC's -fsanitize=thread, whose
+// __tsan_* hooks are defined here, not ThreadSanitizer's runtime), and each byte of shared memory records
+// which thread last wrote it and last read it, and how many __syncthreads and __syncwarp that thread had
+// passed then. A read of another thread's write, or a write over another thread's read or write, that no
+// barrier both threads passed since orders (a __syncthreads, or a __syncwarp of their warp; a shuffle does
+// not order memory) fails the launch, as compute-sanitizer's racecheck does on a GPU; so does a read of a
+// byte no thread of the block wrote (shared memory starts each block filled with 0xff, as garbage), and a
+// read of a cp.async target before its copy was waited for (synccheck's cp.async rule).
 #pragma once
 
 #include <setjmp.h>
@@ -26,7 +37,12 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#ifdef PAGEDSERVE_RACECHECK
+// Static shared arrays in a section of their own, so that the checker knows their bytes.
+#define __shared__ static __attribute__((section("emu_shared")))
+#else
 #define __shared__ static  // one block at a time (see above)
+#endif
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -53,6 +69,7 @@ struct Copy {
 struct Fiber {
   dim3 thread_idx;
   int flat = 0;  // threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+  unsigned block_syncs = 0, warp_syncs = 0;  // the __syncthreads, and the __syncwarp or __syncthreads, passed
   bool started = false, done = false;
   std::vector<Copy> uncommitted;
   std::vector<std::vector<Copy>> in_flight;  // committed groups, oldest first
@@ -103,6 +120,7 @@ inline void run_block() {
   Block& b = *block;
   for (Fiber& f : b.fibers) {
     f.started = f.done = false;
+    f.block_syncs = f.warp_syncs = 0;
     f.uncommitted.clear();
     f.in_flight.clear();
   }
@@ -179,8 +197,122 @@ T exchange(T value, Source source) {
 #define blockDim (emu::block_dim)
 #define gridDim (emu::grid_dim)
 
-inline void __syncthreads() { emu::arrive(emu::block->all); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::arrive(emu::my_warp()); }
+inline void __syncthreads() {
+  emu::arrive(emu::block->all);
+  ++emu::self().block_syncs;
+  ++emu::self().warp_syncs;
+}
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  emu::arrive(emu::my_warp());
+  ++emu::self().warp_syncs;
+}
+
+#ifdef PAGEDSERVE_RACECHECK
+namespace emu::race {
+
+// One thread's access to a byte: who, and in which barrier interval. thread < 0: none.
+struct Access {
+  int thread = -1;
+  unsigned block_syncs = 0, warp_syncs = 0;
+};
+struct Shadow {
+  Access write, read;
+  bool copying = false;  // a cp.async target whose copy is not waited for yet
+};
+
+struct Region {
+  char* begin = nullptr;
+  std::size_t size = 0;
+  const char* name = "";
+  std::vector<Shadow> shadow;
+};
+inline Region regions[2];  // the launch's dynamic shared memory, and the kernel's static __shared__ arrays
+
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
+
+// A block starts with garbage in every byte of shared memory, and nothing written.
+__attribute__((no_sanitize("thread"))) inline void start_block(char* dynamic, std::size_t dynamic_bytes) {
+  regions[0].begin = dynamic, regions[0].size = dynamic_bytes, regions[0].name = "dynamic shared memory";
+  regions[1].begin = __start_emu_shared, regions[1].name = "a __shared__ array";
+  regions[1].size = __start_emu_shared ? static_cast<std::size_t>(__stop_emu_shared - __start_emu_shared) : 0;
+  for (Region& r : regions) {
+    if (r.size) std::memset(r.begin, 0xff, r.size);
+    r.shadow.assign(r.size, Shadow{});
+  }
+}
+
+__attribute__((no_sanitize("thread"))) inline bool ordered(const Access& before, const Fiber& now) {
+  return before.thread == now.flat || now.block_syncs > before.block_syncs ||
+         (before.thread / kWarpSize == now.flat / kWarpSize && now.warp_syncs > before.warp_syncs);
+}
+
+__attribute__((no_sanitize("thread"))) inline void report(const char* what, const Region& r, std::size_t at,
+                                                           const Fiber& now, const Access& other) {
+  fault("race in " + std::string(r.name) + " at byte " + std::to_string(at) + ": thread " +
+        std::to_string(now.flat) + " " + what + " thread " + std::to_string(other.thread) +
+        " with no __syncthreads, or __syncwarp of their warp, that both passed in between");
+}
+
+__attribute__((no_sanitize("thread"))) inline void access(const void* address, std::size_t n, bool write,
+                                                           bool copy_issued = false) {
+  if (block == nullptr || block->current == nullptr) return;
+  const char* p = static_cast<const char*>(address);
+  for (Region& r : regions) {
+    if (r.size == 0 || p < r.begin || p + n > r.begin + r.size) continue;
+    const Fiber& me = *block->current;
+    const Access mine{me.flat, me.block_syncs, me.warp_syncs};
+    for (std::size_t at = p - r.begin, end = at + n; at < end; ++at) {
+      Shadow& s = r.shadow[at];
+      if (!block->fault.empty()) return;  // one report a launch
+      if (write) {
+        if (s.write.thread >= 0 && !ordered(s.write, me)) report("writes what was written by", r, at, me, s.write);
+        else if (s.read.thread >= 0 && !ordered(s.read, me)) report("writes what was read by", r, at, me, s.read);
+        s.write = mine, s.read = Access{}, s.copying = copy_issued;
+      } else {
+        if (s.write.thread < 0) {
+          fault("thread " + std::to_string(me.flat) + " reads byte " + std::to_string(at) + " of " + r.name +
+                " that no thread of its block wrote");
+        } else if (s.copying) {
+          report("reads a cp.async target before its copy was waited for, issued by", r, at, me, s.write);
+        } else if (!ordered(s.write, me)) {
+          report("reads what was written by", r, at, me, s.write);
+        }
+        s.read = mine;
+      }
+    }
+    return;
+  }
+}
+
+}  // namespace emu::race
+
+// The hooks GCC's -fsanitize=thread calls around each memory access (and at load); only shared memory counts.
+#define EMU_RACE_HOOKS(n)                                                                                   \
+  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_read##n(void* p) { emu::race::access(p, n, false); }  \
+  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_write##n(void* p) { emu::race::access(p, n, true); }  \
+  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_unaligned_read##n(void* p) {           \
+    emu::race::access(p, n, false);                                                                     \
+  }                                                                                                     \
+  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_unaligned_write##n(void* p) {          \
+    emu::race::access(p, n, true);                                                                      \
+  }
+EMU_RACE_HOOKS(1)
+EMU_RACE_HOOKS(2)
+EMU_RACE_HOOKS(4)
+EMU_RACE_HOOKS(8)
+EMU_RACE_HOOKS(16)
+#undef EMU_RACE_HOOKS
+extern "C" __attribute__((no_sanitize("thread"))) void __tsan_read_range(void* p, unsigned long n) {
+  emu::race::access(p, n, false);
+}
+extern "C" __attribute__((no_sanitize("thread"))) void __tsan_write_range(void* p, unsigned long n) {
+  emu::race::access(p, n, true);
+}
+extern "C" __attribute__((no_sanitize("thread"))) void __tsan_init() {}
+extern "C" __attribute__((no_sanitize("thread"))) void __tsan_func_entry(void*) {}
+extern "C" __attribute__((no_sanitize("thread"))) void __tsan_func_exit() {}
+#endif  // PAGEDSERVE_RACECHECK
 
 template <class T>
 T __shfl_xor_sync(unsigned, T value, int mask) {
@@ -278,6 +410,9 @@ std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, std::size
       for (unsigned y = 0; y < grid.y; ++y)
         for (unsigned x = 0; x < grid.x; ++x) {
           block_idx = {x, y, z};
+#ifdef PAGEDSERVE_RACECHECK
+          race::start_block(dynamic_shared, shared_bytes);
+#endif
           run_block();
           for (std::size_t i = 0; i < kGuardBytes; ++i)
             if (dynamic_shared[shared_bytes + i] != kGuard)

@@ -61,6 +61,9 @@ inline void cp_async_16(void* shared, const void* global, bool valid) {
   emu::require_aligned(shared, 16, "cp.async to shared memory");
   if (valid) emu::require_aligned(global, 16, "cp.async from global memory");
   emu::self().uncommitted.push_back({shared, global, valid});
+#ifdef PAGEDSERVE_RACECHECK
+  emu::race::access(shared, 16, true, /*copy_issued=*/true);  // written when waited for, not before
+#endif
 }
 inline void cp_async_commit() {
   emu::Fiber& f = emu::self();
@@ -74,6 +77,9 @@ void cp_async_wait() {
     for (const emu::Copy& copy : f.in_flight.front()) {
       if (copy.valid) std::memcpy(copy.shared, copy.global, 16);
       else std::memset(copy.shared, 0, 16);
+#ifdef PAGEDSERVE_RACECHECK
+      emu::race::access(copy.shared, 16, true);  // the copy lands: this thread's write, in this interval
+#endif
     }
     f.in_flight.erase(f.in_flight.begin());
   }
