@@ -15,19 +15,9 @@ out=${1:?OUT}
 input_len=${2:-256-512}
 output_len=${3:-32-64}
 sessions=${4:-32}
-model=${MODEL:-$HOME/.cache/pagedserve/models/SmolLM2-135M-Instruct}
-vllm_python=${VLLM_PYTHON:-/work/peers/vllm-venv/bin/python}
-run_dir=$(mktemp -d)
-server=
+# shellcheck source=scripts/bench_servers.sh
+source "$here/scripts/bench_servers.sh"
 trap 'stop; rm -rf "$run_dir" "$out/disk"' EXIT
-
-stop() {
-  if [ -n "$server" ]; then
-    kill -INT -- "-$server" 2>/dev/null || true
-    for _ in $(seq 60); do kill -0 -- "-$server" 2>/dev/null || break; sleep 1; done
-    server=
-  fi
-}
 
 sessions_bench() {  # $1: the system's name, $2: its address; the rest: flags for bench
   local name=$1 address=$2
@@ -39,29 +29,16 @@ sessions_bench() {  # $1: the system's name, $2: its address; the rest: flags fo
 
 one() {  # $1: the system's name; the rest: flags for `pagedserve up`
   local name=$1
-  shift
-  mkdir -p "$out/$name"
-  setsid "$here/.venv/bin/pagedserve" up --model "$model" --run-dir "$run_dir/$name" --dtype bfloat16 \
-    --quantization int8 --max-batched-tokens 2048 --gateway-address 127.0.0.1:50071 "$@" \
-    >"$out/$name/server.log" 2>&1 &
-  server=$!
+  start_pagedserve "$@"
   sessions_bench "$name" 127.0.0.1:50051 --endpoints "$run_dir/$name/endpoints.json"
-  local metrics
-  metrics=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["daemon"]["metrics"])' \
-    "$run_dir/$name/endpoints.json")
-  curl -sf "$metrics" | grep '^pagedserve_kv_' >"$out/$name/daemon-metrics.txt"
+  curl -sf "$(endpoint "$name" 'e["daemon"]["metrics"]')" | grep '^pagedserve_kv_' >"$out/$name/daemon-metrics.txt"
   stop
 }
 
 one tier --kv-memory 512MiB --kv-disk "$out/disk" --kv-disk-size 8GiB
 one no-tier --kv-memory 512MiB
 one in-memory --kv-memory 4GiB
-mkdir -p "$out/vllm"
-VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 setsid "$vllm_python" -m \
-  vllm.entrypoints.openai.api_server --model "$model" --dtype bfloat16 --max-model-len 8192 --port 8000 \
-  --enable-prefix-caching --enable-prompt-tokens-details >"$out/vllm/server.log" 2>&1 &
-server=$!
-for _ in $(seq 900); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && break; sleep 1; done
+start_vllm vllm 1 --enable-prefix-caching --enable-prompt-tokens-details
 sessions_bench vllm http://127.0.0.1:8000
 stop
 "$here/.venv/bin/python" - "$out" <<'TABLE' | tee "$out/table.md"

@@ -70,6 +70,15 @@ def not_negative(value: float) -> str | None:
     return None if value >= 0 else f"must not be negative, got {value}"
 
 
+def between(low: float, high: float) -> Callable[[float], str | None]:
+    """A check that a value lies in [low, high]."""
+
+    def check(value: float) -> str | None:
+        return None if low <= value <= high else f"must be between {low} and {high}, got {value}"
+
+    return check
+
+
 def tcp_port(value: int) -> str | None:
     return None if 0 <= value <= 65535 else f"must be a TCP port (0 to 65535), got {value}"
 

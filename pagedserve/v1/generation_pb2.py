@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x33\n\nstructured\x18\x10 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\xc3\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x39\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\'.pagedserve.v1.StructuredOutput.ChoicesH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x19\n\x11\x63\x61\x63he_ttl_seconds\x18\x08 \x01(\r\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbf\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x05 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x1a\n\x10matched_token_id\x18\x07 \x01(\rH\x00\x12\x1a\n\x10matched_stop_str\x18\x08 \x01(\tH\x00\x12\r\n\x05index\x18\t \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x42\x0e\n\x0cmatched_stop\"i\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r2\xc3\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x33\n\nstructured\x18\x10 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x06\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x13 \x01(\x08H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x0e\n\x0c_speculative\"\xc3\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x39\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\'.pagedserve.v1.StructuredOutput.ChoicesH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x19\n\x11\x63\x61\x63he_ttl_seconds\x18\x08 \x01(\r\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbf\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x43\n\rfinish_reason\x18\x05 \x01(\x0e\x32,.pagedserve.v1.GenerateResponse.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x1a\n\x10matched_token_id\x18\x07 \x01(\rH\x00\x12\x1a\n\x10matched_stop_str\x18\x08 \x01(\tH\x00\x12\r\n\x05index\x18\t \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x42\x0e\n\x0cmatched_stop\"i\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\x96\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\tpage_size\x18\x07 \x01(\r2\xc3\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=49
   _globals['_CHATMESSAGE']._serialized_end=93
   _globals['_SAMPLINGPARAMS']._serialized_start=96
-  _globals['_SAMPLINGPARAMS']._serialized_end=728
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=581
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=629
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=731
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=926
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=892
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=918
-  _globals['_GENERATEREQUEST']._serialized_start=929
-  _globals['_GENERATEREQUEST']._serialized_end=1168
-  _globals['_TOPLOGPROB']._serialized_start=1170
-  _globals['_TOPLOGPROB']._serialized_end=1231
-  _globals['_TOKENLOGPROBS']._serialized_start=1233
-  _globals['_TOKENLOGPROBS']._serialized_end=1323
-  _globals['_USAGE']._serialized_start=1325
-  _globals['_USAGE']._serialized_end=1412
-  _globals['_GENERATERESPONSE']._serialized_start=1415
-  _globals['_GENERATERESPONSE']._serialized_end=1862
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=1768
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=1846
-  _globals['_TOKENIZEREQUEST']._serialized_start=1864
-  _globals['_TOKENIZEREQUEST']._serialized_end=1969
-  _globals['_TOKENIZERESPONSE']._serialized_start=1971
-  _globals['_TOKENIZERESPONSE']._serialized_end=2008
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2010
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2031
-  _globals['_MODELINFO']._serialized_start=2034
-  _globals['_MODELINFO']._serialized_end=2184
-  _globals['_GENERATION']._serialized_start=2187
-  _globals['_GENERATION']._serialized_end=2510
+  _globals['_SAMPLINGPARAMS']._serialized_end=770
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=607
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=655
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=773
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=968
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=934
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=960
+  _globals['_GENERATEREQUEST']._serialized_start=971
+  _globals['_GENERATEREQUEST']._serialized_end=1210
+  _globals['_TOPLOGPROB']._serialized_start=1212
+  _globals['_TOPLOGPROB']._serialized_end=1273
+  _globals['_TOKENLOGPROBS']._serialized_start=1275
+  _globals['_TOKENLOGPROBS']._serialized_end=1365
+  _globals['_USAGE']._serialized_start=1367
+  _globals['_USAGE']._serialized_end=1454
+  _globals['_GENERATERESPONSE']._serialized_start=1457
+  _globals['_GENERATERESPONSE']._serialized_end=1904
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=1810
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=1888
+  _globals['_TOKENIZEREQUEST']._serialized_start=1906
+  _globals['_TOKENIZEREQUEST']._serialized_end=2011
+  _globals['_TOKENIZERESPONSE']._serialized_start=2013
+  _globals['_TOKENIZERESPONSE']._serialized_end=2050
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2052
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2073
+  _globals['_MODELINFO']._serialized_start=2076
+  _globals['_MODELINFO']._serialized_end=2226
+  _globals['_GENERATION']._serialized_start=2229
+  _globals['_GENERATION']._serialized_end=2552
 # @@protoc_insertion_point(module_scope)

@@ -10,7 +10,8 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
-WorkloadName = Literal["fixed", "random", "shared-prefix", "multi-turn"]
+WorkloadName = Literal["fixed", "random", "shared-prefix", "multi-turn", "copy", "chat"]
+TEXT_WORKLOADS = ("copy", "chat")  # real text through the chat template (services.bench.texts)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class WorkloadSpec:
             "shared-prefix": cls("shared-prefix", (16, 128), (16, 128), prefix_len=1024),
             # Conversations: each turn sends the whole history, then a reply of about its output's length.
             "multi-turn": cls("multi-turn", (64, 256), (32, 128), turns=6),
+            # Text: the prompts are what they are; the output ends at the model's end of turn, or at this.
+            "copy": cls("copy", (0, 0), (256, 256)),
+            "chat": cls("chat", (0, 0), (256, 256)),
         }[name]
         return cls(
             name,

@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
@@ -21,7 +22,9 @@ from services.bench.load import drive, flush_prefix_cache, grpc_target
 from services.bench.openai import openai_target
 from services.bench.results import Slo, summarize
 from services.bench.scrape import KvSampler
+from services.bench.texts import text_requests
 from services.bench.workloads import (
+    TEXT_WORKLOADS,
     WorkloadSpec,
     ideal_prefix_hit_rate,
     make_requests,
@@ -29,6 +32,9 @@ from services.bench.workloads import (
     word_tokens,
 )
 from services.client import DEFAULT_ADDRESS, Client
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _levels(text: str) -> list[float]:
@@ -51,7 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "for an OpenAI-compatible one (default: pagedserve=--address)",
     )
     parser.add_argument(
-        "--workload", choices=["fixed", "random", "shared-prefix", "multi-turn"], default="random"
+        "--workload",
+        choices=["fixed", "random", "shared-prefix", "multi-turn", *TEXT_WORKLOADS],
+        default="random",
+        help="random token ids (fixed, random, shared-prefix, multi-turn), or text through the model's chat "
+        "template: copy (repeat or lightly edit a passage) and chat (open questions)",
     )
     parser.add_argument(
         "--requests", type=int, default=32, help="requests per run (multi-turn: sessions, of --turns each)"
@@ -122,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
     }
     if tokenizer:
         workloads = {level: with_text(requests, tokenizer) for level, requests in workloads.items()}
+    if spec.name in TEXT_WORKLOADS:
+        chat = _chat_tokenizer(args.model)
+        workloads = {
+            level: text_requests(spec.name, args.requests, chat, spec.output_len, seed=args.seed + i)
+            for i, level in enumerate(levels)
+        }
     metrics = list(args.metrics) + _worker_metrics(args.endpoints)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     runs: list[dict] = []
@@ -185,6 +201,14 @@ def _tokenizer(model: str | None) -> Tokenizer:
     from services.common.default_model import resolve_model
 
     return Tokenizer.from_file(str(resolve_model(model) / "tokenizer.json"))
+
+
+def _chat_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    from services.common.default_model import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(model))
 
 
 def _pagedserve_facts(args: argparse.Namespace, address: str | None) -> tuple[int, str, dict]:

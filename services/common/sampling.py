@@ -38,6 +38,7 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by token id
     structured: Constraint | None = None
     prompt_logprobs: int | None = None  # top-n at each prompt position; None: no prompt logprobs
+    speculative: bool = True  # False: this request decodes one token a step, whatever the worker runs
 
     def __post_init__(self) -> None:
         for name in (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
@@ -44,10 +45,12 @@ class Progress:
     cached_prompt_tokens: int | None = None  # as the first worker found them
     failovers: int = 0
 
-    def add(self, output: worker_pb2.RequestOutput) -> None:
+    def add(self, output: worker_pb2.RequestOutput, sent: Iterable[int]) -> None:
+        """A worker's output, of which the tokens `sent` went to the client (those after a stop string did
+        not)."""
         if self.cached_prompt_tokens is None:
             self.cached_prompt_tokens = output.cached_prompt_tokens
-        self.token_ids.extend(output.token_ids)
+        self.token_ids.extend(sent)
 
     def resumed(self, request: EngineRequest) -> EngineRequest:
         """The request as the next worker gets it: the tokens sent so far count as generated, and prompt

@@ -226,9 +226,9 @@ class Sample:
                     raise output
                 if output.error:
                     raise error_of(output)
-                progress.add(output)
                 worker_ended = bool(output.finish_reason)
                 response = self._response(prepared, text, output)
+                progress.add(output, response.token_ids)
                 if response.finish_reason:
                     response.usage.prompt_tokens = len(prepared.engine.prompt_ids)
                     response.usage.completion_tokens = len(progress.token_ids)
@@ -244,19 +244,25 @@ class Sample:
     def _response(
         self, prepared: PreparedRequest, text: TextStream | None, output: worker_pb2.RequestOutput
     ) -> generation_pb2.GenerateResponse:
-        """The response to one output of the worker: its tokens, and their text for a client that reads it."""
-        reason, delta = output.finish_reason, ""
+        """The response to one output of the worker: its tokens, and their text for a client that reads it.
+        An output may hold several tokens (a speculative step's): the text takes them one by one, and a stop
+        string ends the response at the token that completed it."""
+        reason, delta, kept = output.finish_reason, "", len(output.token_ids)
         if text is not None:
-            delta = text.push(output.token_ids)
-            if text.stopped and not reason:
+            for count, token_id in enumerate(output.token_ids, 1):
+                delta += text.push([token_id])
+                if text.stopped:
+                    kept = count
+                    break
+            if text.stopped and (not reason or kept < len(output.token_ids)):
                 reason = Reason.STOP  # a stop string: the worker need not go on
             elif reason:
                 delta += text.finish()
         response = generation_pb2.GenerateResponse(
             request_id=prepared.request_id,
             text=delta,
-            token_ids=output.token_ids,
-            logprobs=self._logprobs(output.logprobs),
+            token_ids=output.token_ids[:kept],
+            logprobs=self._logprobs(output.logprobs[:kept]),
             finish_reason=reason,
             index=self.index,
             prompt_logprobs=self._logprobs(output.prompt_logprobs),

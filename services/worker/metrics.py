@@ -56,6 +56,19 @@ class EngineCollector(Collector):
             ),
             "generation": ("pagedserve_worker_generation_tokens", "tokens sampled"),
             "steps": ("pagedserve_worker_engine_steps", "engine steps that ran the model"),
+            "drafts": (
+                "pagedserve_worker_spec_drafts",
+                "speculative drafts checked, one per sequence and step that had one",
+            ),
+            "draft_tokens": (
+                "pagedserve_worker_spec_draft_tokens",
+                "speculative tokens proposed and checked",
+            ),
+            "accepted": (
+                "pagedserve_worker_spec_accepted_tokens",
+                "speculative tokens kept: the acceptance rate is these over draft tokens, and a drafted "
+                "sequence's tokens per step 1 + these over drafts",
+            ),
         }
         if engine is None:
             values: dict[str, int] = {}
@@ -74,6 +87,9 @@ class EngineCollector(Collector):
                 "cached": stats.cached_prompt_tokens,
                 "generation": stats.generation_tokens,
                 "steps": stats.steps,
+                "drafts": stats.drafts_checked,
+                "draft_tokens": stats.draft_tokens,
+                "accepted": stats.accepted_tokens,
             }
         for key, (name, text) in gauges.items():
             yield GaugeMetricFamily(name, text, value=values.get(key))

@@ -72,7 +72,8 @@ def launch(scheduler: Scheduler, items: list[ScheduledSeq]) -> StepInFlight:
     no_draw = Draw(torch.empty(0, dtype=torch.long), [], [], frozenset(), (), None)
     sampled = [item.seq for item in items if item.samples]
     epochs = [item.seq.epoch for item in items]
-    step = StepInFlight(scheduler.launched + 1, items, epochs, sampled, no_draw, 0, [])
+    drafts = [item.draft for item in items if item.samples]
+    step = StepInFlight(scheduler.launched + 1, items, epochs, sampled, drafts, no_draw, 0, [])
     scheduler.commit(step)
     return step
 

@@ -23,8 +23,10 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metas: tuple[AttentionMetadata, ...]  # one for each group of layers: they differ in slots and tables
-    logits_indices: torch.Tensor  # [N + P]: the last token of each chunk that samples, then the scored ones
-    sampling: list[ScheduledSeq]  # those N chunks, in the same order
+    # [N + P]: the rows that sample, then the scored prompt positions. A chunk that samples has one row, for
+    # its last token, and one more for each draft token (the last new token's row comes first).
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledSeq]  # the chunks that sample, in the order of their rows
     scored: list[tuple[Sequence, int]]  # P prompt positions to score: their sequence, and the next token
 
     @property
@@ -40,22 +42,23 @@ class ForwardBatch:
 def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device) -> ForwardBatch:
     """The step's inputs, with the metadata of each group of the model's layers (services.worker.kv.groups),
     of which every sequence has a block table."""
-    ordered = sorted(items, key=lambda item: item.count != 1)  # stable: decodes first, in schedule order
+    ordered = sorted(items, key=lambda item: item.width != 1)  # stable: decodes first, in schedule order
     groups = len(ordered[0].seq.tables)
-    num_decodes = sum(item.count == 1 for item in ordered)
+    num_decodes = sum(item.width == 1 for item in ordered)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[list[int]] = [[] for _ in range(groups)]
     seq_lens: list[int] = []
     query_start = [0]
     for item in ordered:
-        seq, end = item.seq, item.start + item.count
-        input_ids += seq.tokens[item.start : end]
+        seq, end = item.seq, item.start + item.width
+        input_ids += seq.tokens[item.start : item.start + item.count]
+        input_ids += item.draft
         positions += item.positions
         for group, table in enumerate(seq.tables):
             slots[group] += [table[p // page_size] * page_size + p % page_size for p in item.positions]
         seq_lens.append(end)
-        query_start.append(query_start[-1] + item.count)
+        query_start.append(query_start[-1] + item.width)
     prefill = [
         (row, p) for row, item in enumerate(ordered[num_decodes:], num_decodes) for p in item.positions
     ]
@@ -67,7 +70,12 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     ]
     sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
     scored, scored_at = _prompt_positions(ordered, query_start)
-    logits_indices = [query_start[i + 1] - 1 for i, _ in sampling] + scored_at
+    logits_indices = [
+        row
+        for i, item in sampling
+        for row in range(query_start[i + 1] - 1 - len(item.draft), query_start[i + 1])
+    ]
+    logits_indices += scored_at
     # One copy to the device for the whole step; each part is a view of it.
     parts = [
         input_ids,

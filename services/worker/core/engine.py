@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedserve.plumbing.errors import FailedPrecondition, ResourceExhausted, StatusError, Unimplemented
-from pagedserve.plumbing.settings import check_settings, positive, setting
+from pagedserve.plumbing.settings import between, check_settings, positive, setting
 from services.common.request import EngineRequest, ModelLimits, check_request
 from services.worker.core.cuda_graphs import DecodeGraphs
 from services.worker.core.grammar import Grammars
 from services.worker.core.model_runner import ModelRunner, StepInFlight
 from services.worker.core.scheduler import Plan, Scheduler
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
+from services.worker.core.speculation import NgramProposer
 from services.worker.kv.base import KVCache
 from services.worker.kv.groups import group_key
 from services.worker.models import CausalLM
@@ -46,6 +47,14 @@ class EngineConfig:
         "auto",
         "schedule and launch the next step while the device runs this one: auto is on for CUDA; on a CPU, "
         "where the model runs on the engine's own thread, it would only hold each token back a step",
+    )
+    speculative: Literal["off", "ngram"] = setting(
+        "off",
+        "speculative decoding: ngram drafts a decode's next tokens from earlier tokens of its own (prompt "
+        "lookup) and checks them in the decode's step; the tokens are the same as with off",
+    )
+    num_speculative_tokens: int = setting(
+        4, "the longest draft --speculative checks in one step", check=between(1, 16)
     )
 
     def __post_init__(self) -> None:
@@ -73,6 +82,7 @@ class EngineCore:
             eos_token_ids=spec.eos_token_ids,
             max_model_len=spec.max_model_len,
             windows=spec.kv_groups.windows,
+            proposer=NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None,
         )
         self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
         self.limits = ModelLimits(spec.vocab_size, spec.max_model_len)
@@ -82,7 +92,8 @@ class EngineCore:
         self._in_flight: StepInFlight | None = None  # the step launched last, not yet postprocessed
         self._arrivals = itertools.count()
         # Counters for metrics, written only by the thread that steps; see also the scheduler's.
-        self.generation_tokens = 0  # tokens sampled, cancelled requests' included
+        # Tokens sampled and kept (a draft's rejected ones are not), cancelled requests' included.
+        self.generation_tokens = 0
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, sampled rows) of the last forward pass
 
     @property
@@ -187,11 +198,11 @@ class EngineCore:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Schedule and launch this step while the device runs the one before, then postprocess that one;
-        returns what every request got. A step whose tokens the next one's schedule reads (`needs_host`) is
-        postprocessed first."""
+        returns what every request got. A step whose tokens the next one's schedule reads (`needs_host`, or
+        a proposer's draft) is postprocessed first."""
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
-        if previous is not None and previous.needs_host:
+        if previous is not None and (previous.needs_host or self.scheduler.would_draft(previous.sampled)):
             outputs += self._complete(previous)
             previous = None
         plan = self._schedule()
@@ -255,8 +266,10 @@ class EngineCore:
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens, and do its bookkeeping."""
         samples = step.wait()
-        self.generation_tokens += len(samples.token_ids)
-        return self.scheduler.postprocess(step, samples)
+        accepted = self.scheduler.accepted_tokens
+        outputs = self.scheduler.postprocess(step, samples)
+        self.generation_tokens += len(step.sampled) + self.scheduler.accepted_tokens - accepted
+        return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: StatusError | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)

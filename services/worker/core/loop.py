@@ -49,6 +49,10 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0  # steps that ran the model
+    # Speculative decoding: drafts checked, their tokens, and those kept.
+    drafts_checked: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Engine:
@@ -212,6 +216,9 @@ class Engine:
             cached_prompt_tokens=scheduler.cached_prompt_tokens,
             generation_tokens=core.generation_tokens,
             steps=core.steps,
+            drafts_checked=scheduler.drafts_checked,
+            draft_tokens=scheduler.draft_tokens,
+            accepted_tokens=scheduler.accepted_tokens,
         )
 
     def _has_work(self) -> bool:

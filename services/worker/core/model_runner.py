@@ -10,6 +10,7 @@ scheduler never waits for the device.
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,19 +36,29 @@ class StepInFlight:
     number: int  # steps launched before it, and it
     items: list[ScheduledSeq]  # in batch order
     epochs: list[int]  # each item's sequence's epoch at launch: a later reset makes its KV stale
-    sampled: list[Sequence]  # the sequences that get a token, in the order of the draw's rows
+    sampled: list[Sequence]  # the sequences that get a token, in the order of their rows in the draw
+    drafts: list[tuple[int, ...]]  # each one's draft: a row more for each of its tokens
     draw: Draw
     num_tokens: int  # tokens the forward pass ran
     scored: list[tuple[Sequence, TokenLogprob]]  # prompt tokens' log-probabilities, in prompt order
 
     @property
+    def first_rows(self) -> list[int]:
+        """Each sampled sequence's first row in the draw."""
+        return list(itertools.accumulate((1 + len(draft) for draft in self.drafts), initial=0))[:-1]
+
+    @property
     def needs_host(self) -> bool:
         """Whether the next step must wait for this one's tokens on the host before it is scheduled: a
-        grammar, a penalty or a prompt's log-probabilities read them."""
-        return any(
-            seq.grammar is not None or seq.options.penalized or seq.wants_prompt_logprobs
-            for seq in self.sampled
-        ) or bool(self.scored)
+        grammar, a penalty or a prompt's log-probabilities read them, or a draft makes their count unknown."""
+        return (
+            any(
+                seq.grammar is not None or seq.options.penalized or seq.wants_prompt_logprobs
+                for seq in self.sampled
+            )
+            or bool(self.scored)
+            or any(self.drafts)
+        )
 
     def wait(self) -> Samples:
         return self.draw.samples()
@@ -86,7 +97,11 @@ class ModelRunner:
         if previous is not None:
             _take_pending_tokens(batch, previous)
         sampled = [item.seq for item in batch.sampling]
-        states = [seq.grammar for seq in sampled]
+        drafts = [item.draft for item in batch.sampling]
+        # A row for each token drawn: each sampled sequence's, at offsets 0 .. its draft's length.
+        rows = [(item.seq, offset) for item in batch.sampling for offset in range(1 + len(item.draft))]
+        row_seqs = [seq for seq, _ in rows]
+        states = [seq.grammar if offset == 0 else None for seq, offset in rows]
         filling = None
         if self._masker is not None and any(state is not None for state in states):
             filling = self._masker.submit(fill_masks, states, self.model.spec.vocab_size)
@@ -96,14 +111,16 @@ class ModelRunner:
                 batch.input_ids, batch.positions, batch.metas, self.kv.kv, batch.logits_indices
             )
         masks = filling.result() if filling is not None else None
+        offsets = [offset for _, offset in rows] if len(rows) > len(sampled) else None
         return StepInFlight(
             number,
             batch.items,
             [item.seq.epoch for item in batch.items],
             sampled,
-            draw(logits[: len(sampled)], sampled, self._eos, masks),
+            drafts,
+            draw(logits[: len(rows)], row_seqs, self._eos, masks, offsets),
             batch.num_tokens,
-            _score_prompts(logits[len(sampled) :], batch.scored),
+            _score_prompts(logits[len(rows) :], batch.scored),
         )
 
     def wait_for_device(self) -> None:
@@ -122,7 +139,7 @@ class ModelRunner:
 def _take_pending_tokens(batch: ForwardBatch, previous: StepInFlight) -> None:
     """Fill the batch's pending input tokens, on the device, from the previous step's draw: a decode whose
     token that step sampled (decodes come first in a batch, one token each)."""
-    rows = {id(seq): row for row, seq in enumerate(previous.sampled)}
+    rows = {id(seq): row for seq, row in zip(previous.sampled, previous.first_rows, strict=True)}
     pending = [
         (i, rows[id(item.seq)])
         for i, item in enumerate(batch.items[: batch.meta.num_decodes])

@@ -72,16 +72,19 @@ def draw(
     seqs: list[Sequence],
     eos_token_ids: frozenset[int] = frozenset(),
     masks: torch.Tensor | None = None,
+    offsets: list[int] | None = None,
 ) -> Draw:
     """Pick one token per row of logits [S, V] (fp32) for the matching sequence, with no wait for the device
     (unless a row's grammar or penalties need the host); masks: the rows' grammar masks, if already filled
-    (`grammar.fill_masks`)."""
+    (`grammar.fill_masks`); offsets: how many tokens past its sequence's end each row's token is (a draft's
+    rows: `speculation`), 0 for all rows if None."""
     options = [seq.options for seq in seqs]
+    offsets = offsets or [0] * len(seqs)
     raw = logits
     dead_ends: list[int] = []
     if any(o.logit_bias or o.min_tokens for o in options) or any(seq.grammar for seq in seqs):
         logits = logits.clone()
-        dead_ends = restrict(logits, seqs, eos_token_ids, masks)
+        dead_ends = restrict(logits, seqs, eos_token_ids, masks, offsets)
     if any(o.penalized for o in options):
         logits = apply_penalties(logits if logits is not raw else logits.clone(), seqs)
     greedy = logits.argmax(dim=-1)
@@ -90,10 +93,11 @@ def draw(
     else:
         probs = filtered_probs(logits, options)
         noise = torch.empty_like(probs).exponential_()
-        for row, seq in enumerate(seqs):
+        for row, (seq, offset) in enumerate(zip(seqs, offsets, strict=True)):
             if seq.options.seed is not None and not seq.options.greedy:
+                position = seq.num_tokens + offset
                 noise[row] = to_device(
-                    seeded_noise(seq.options.seed, seq.num_tokens, noise.shape[1]), noise.dtype, noise
+                    seeded_noise(seq.options.seed, position, noise.shape[1]), noise.dtype, noise
                 )
         # A float32 draw of exactly 0 (about 1 in 10^7 for each token) would make p / E infinite, or NaN
         # for a token of probability 0: it counts as the smallest draw that a 24-bit uniform gives.
@@ -114,17 +118,18 @@ def restrict(
     seqs: list[Sequence],
     eos_token_ids: frozenset[int],
     masks: torch.Tensor | None = None,
+    offsets: list[int] | None = None,
 ) -> list[int]:
     """Apply, in place, each row's logit bias, min_tokens' hold-back and grammar; returns the rows that allow
-    no token."""
+    no token. offsets: as `draw`'s."""
     biased = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in seq.options.logit_bias]
     if biased:  # one scatter for the whole batch
         rows, tokens, values = zip(*biased, strict=True)
         index = (to_device(rows, torch.long, logits), to_device(tokens, torch.long, logits))
         logits.index_put_(index, to_device(values, logits.dtype, logits), accumulate=True)
-    for row, seq in enumerate(seqs):
+    for row, (seq, offset) in enumerate(zip(seqs, offsets or [0] * len(seqs), strict=True)):
         o = seq.options
-        if seq.num_tokens - seq.prompt_len < o.min_tokens:
+        if seq.num_tokens + offset - seq.prompt_len < o.min_tokens:
             # EOS ends a constrained row whatever ignore_eos says, so min_tokens holds it back there too.
             ends = eos_token_ids if not o.ignore_eos or seq.grammar is not None else frozenset()
             held = to_device(sorted(set(o.stop_token_ids) | ends), torch.long, logits)

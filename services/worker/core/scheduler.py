@@ -38,6 +38,7 @@ from services.worker.kv.groups import group_key
 if TYPE_CHECKING:
     from services.worker.core.model_runner import StepInFlight
     from services.worker.core.sampler import Samples
+    from services.worker.core.speculation import NgramProposer
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,16 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # the first new token's position
     count: int  # new tokens this step
+    draft: tuple[int, ...] = ()  # proposed tokens after them, checked by this step (`speculation`)
+
+    @property
+    def width(self) -> int:
+        """The tokens the step runs for it: its new ones and its draft."""
+        return self.count + len(self.draft)
 
     @property
     def positions(self) -> range:
-        return range(self.start, self.start + self.count)
+        return range(self.start, self.start + self.width)
 
     @property
     def samples(self) -> bool:
@@ -82,10 +89,11 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         max_model_len: int = 1 << 62,
         windows: tuple[int, ...] = (0,),
+        proposer: NgramProposer | None = None,
     ) -> None:
         """windows: each group of the model's layers' window (services.worker.kv.groups), 0 for full
         attention; a sequence has a block table per group, and a sliding group's pages wholly before its
-        window go back as the sequence runs."""
+        window go back as the sequence runs. proposer: drafts decodes' next tokens (`speculation`)."""
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -93,6 +101,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.windows = windows
+        self.proposer = proposer
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished sequence, by key
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # a heap by rank
@@ -105,6 +114,11 @@ class Scheduler:
         # then; a recompute after preemption is not counted again.
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        # Speculative decoding: drafts checked, their tokens, and those kept (each kept token is one that
+        # a step gave beyond its one).
+        self.drafts_checked = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
 
     @property
     def num_waiting(self) -> int:
@@ -163,25 +177,53 @@ class Scheduler:
         for seq, logprob in step.scored:
             seq.prompt_logprobs.append(logprob)
         outputs = []
-        for row, (seq, token, token_logprob) in enumerate(
-            zip(step.sampled, samples.token_ids, samples.logprobs, strict=True)
-        ):
+        for seq, first, draft in zip(step.sampled, step.first_rows, step.drafts, strict=True):
             if seq.status is Status.FINISHED:  # aborted, or stopped by a token of the step before
                 continue
-            if row in samples.dead_ends or (seq.grammar is not None and not seq.grammar.accept(token)):
+            if first in samples.dead_ends or (
+                seq.grammar is not None and not seq.grammar.accept(samples.token_ids[first])
+            ):
                 self.finish(seq, FinishReason.ABORT)  # the token is meaningless: it goes with its placeholder
                 outputs.append(RequestOutput.of(seq, error=dead_end(seq)))
                 continue
-            seq.tokens[seq.num_known] = token
-            seq.in_flight -= 1
+            outputs.append(self._take_tokens(seq, draft, samples, first))
+        self.device_finished(step.number)
+        return outputs
+
+    def _take_tokens(
+        self, seq: Sequence, draft: tuple[int, ...], samples: Samples, first: int
+    ) -> RequestOutput:
+        """Take a sequence's tokens from its rows of the draw, which start at `first`: its placeholder's,
+        then, while each drawn token is the draft's there, the next one's (whose input KV the step
+        computed), one by one through the stop rules."""
+        tokens, logprobs = [], []
+        for offset in range(len(draft) + 1):
+            token, token_logprob = samples.token_ids[first + offset], samples.logprobs[first + offset]
+            if offset == 0:
+                seq.tokens[seq.num_known] = token
+                seq.in_flight -= 1
+            else:  # the draft's token before it was right: its KV counts
+                seq.num_computed += 1
+                seq.tokens.append(token)
+                self.publish_full_pages(seq, seq.num_computed)
+            tokens.append(token)
+            if token_logprob is not None:
+                logprobs.append(token_logprob)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
-            outputs.append(
-                RequestOutput.of(seq, [token], [token_logprob] if token_logprob is not None else [])
-            )
-        self.device_finished(step.number)
-        return outputs
+                break
+            if offset == len(draft) or token != draft[offset]:
+                break
+        if draft:
+            self.drafts_checked += 1
+            self.draft_tokens += len(draft)
+            self.accepted_tokens += len(tokens) - 1
+            if self.proposer is not None:
+                self.proposer.record(seq.drafting, len(tokens) - 1)
+            if seq.status is Status.RUNNING:  # the pages held for the draft's rejected tokens go back
+                self._free(seq.trim_pages(-(-seq.num_tokens // self.kv.page_size)))
+        return RequestOutput.of(seq, tokens, logprobs)
 
     def device_finished(self, number: int) -> None:
         """The device is done with the steps up to `number`: pages held for them go back."""
@@ -227,7 +269,11 @@ class Scheduler:
             if seq.status is not Status.RUNNING or self._ends_in_flight(seq):
                 continue  # preempted for a better sequence this step, or its last token is on its way
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if self._reserve(seq, count, protected=scheduled):
+            draft = self._draft(seq, budget - count)
+            if draft and self._reserve(seq, count + len(draft), protected=scheduled, may_preempt=False):
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, count, draft))
+                budget -= count + len(draft)
+            elif self._reserve(seq, count, protected=scheduled):
                 scheduled.append(ScheduledSeq(seq, seq.num_computed, count))
                 budget -= count
             elif len(self.running) == 1:
@@ -238,6 +284,24 @@ class Scheduler:
             else:
                 self._preempt(seq)
         return budget
+
+    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """The proposer's draft for a decode whose tokens are all known, within `room` tokens of the step's
+        budget, the request's max_tokens and the context (a draft never pushes past either: the step gives
+        at most one token more than it)."""
+        if (
+            self.proposer is None
+            or seq.in_flight
+            or seq.num_tokens - seq.num_computed != 1
+            or not seq.speculates
+        ):
+            return ()
+        left = min(seq.prompt_len + seq.options.max_tokens, self.max_model_len) - seq.num_tokens
+        return self.proposer.propose(seq.tokens, seq.drafting, min(room, left - 1))
+
+    def would_draft(self, seqs: list[Sequence]) -> bool:
+        """Whether the proposer would draft for any of these sequences once their last tokens are known."""
+        return self.proposer is not None and any(seq.speculates and seq.drafting.pause == 0 for seq in seqs)
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         """Admit waiting sequences, best rank first, while the step has room; a sample whose leader is still

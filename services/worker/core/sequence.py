@@ -14,6 +14,7 @@ from memory_daemon.prefix import ROOT_KEY, page_keys, salted_root
 from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
+from services.worker.core.speculation import Drafting
 
 if TYPE_CHECKING:
     from services.worker.core.grammar import GrammarState
@@ -81,6 +82,7 @@ class Sequence:
         # `tokens`, so that the next step can be scheduled before they are known.
         self.in_flight = 0
         self.epoch = 0  # counts resets: work launched in an earlier epoch wrote pages it no longer has
+        self.drafting = Drafting()  # its record with the speculative proposer
         self._keys: list[bytes] = []  # the hash chain of leading full pages
 
     @property
@@ -147,6 +149,20 @@ class Sequence:
         table[first:count] = [NULL_PAGE] * len(dropped)
         self.dropped[group] = max(first, count)
         return dropped
+
+    def trim_pages(self, count: int) -> list[int]:
+        """Shorten each of its block tables to `count` pages; returns the pages given up."""
+        trimmed = [page for table in self.tables for page in table[count:]]
+        for table in self.tables:
+            del table[count:]
+        return trimmed
+
+    @property
+    def speculates(self) -> bool:
+        """Whether a proposer may draft for it: it asked, and no grammar or penalty reads its tokens one by
+        one as they are drawn."""
+        o = self.options
+        return o.speculative and self.grammar is None and self.compiling is None and not o.penalized
 
     def reset(self) -> None:
         """Forget the KV (after preemption): the tokens stay and are recomputed on readmission."""

@@ -1,0 +1,124 @@
+"""A real stack on the default model with `--speculative ngram`: a request that copies a passage gets the
+tokens a request with speculation turned off (`sampling.speculative = false`) gets on the same worker, greedy
+and seeded, with the same log-probabilities, in fewer engine steps; a stop string inside a drafted run of
+tokens ends the text and the tokens where speculation-off ends them; the worker's metrics count the drafts,
+and every page is back at the end. Bad speculation flags stop the worker before it loads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc
+from services.client import generate_request
+from tests.clients import Scrape, every_page_accounted
+from tests.integration.streams import joined, stream, user, wait_for_idle_worker
+from tests.procs import REPO, Stack, module_stack
+
+Reason = pb.GenerateResponse.FinishReason
+Stub = generation_pb2_grpc.GenerationStub
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern and a "
+    "notebook in which he recorded the weather, the ships that passed, and the birds that rested on the "
+    "railing. In winter the wind howled through the cracks in the old stone walls."
+)
+COPY = user("Repeat the following passage exactly, word for word:\n\n" + PASSAGE)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with module_stack(
+        "--kv-memory", "256MiB", "--speculative", "ngram", "--num-speculative-tokens", "5"
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def stub(stack: Stack) -> Iterator[Stub]:
+    with grpc.insecure_channel(stack.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def worker_metrics(stack: Stack) -> Scrape:
+    endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
+    return Scrape(endpoints["workers"][0]["metrics"])
+
+
+def steps_and_drafts(stack: Stack) -> tuple[float, float, float, float]:
+    scrape = worker_metrics(stack)
+    return (
+        scrape("pagedserve_worker_engine_steps_total"),
+        scrape("pagedserve_worker_spec_drafts_total"),
+        scrape("pagedserve_worker_spec_draft_tokens_total"),
+        scrape("pagedserve_worker_spec_accepted_tokens_total"),
+    )
+
+
+def run(stack: Stack, stub: Stub, **sampling: Any) -> tuple[list[pb.GenerateResponse], tuple[float, ...]]:
+    """One request alone; its responses, and what it added to the worker's step and draft counters."""
+    before = steps_and_drafts(stack)
+    responses = stream(stub, generate_request(messages=COPY, **sampling), timeout=120)
+    wait_for_idle_worker(stack)
+    after = steps_and_drafts(stack)
+    return responses, tuple(b - a for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0, "logprobs": 2}, {"temperature": 0.8, "top_p": 0.95, "seed": 42}],
+    ids=["greedy-logprobs", "seeded"],
+)
+def test_a_copying_request_gets_speculation_offs_tokens_in_fewer_steps(
+    stack: Stack, stub: Stub, sampling: dict[str, Any]
+) -> None:
+    off, (off_steps, off_drafts, _, _) = run(stack, stub, max_tokens=80, speculative=False, **sampling)
+    on, (on_steps, drafts, draft_tokens, accepted) = run(stack, stub, max_tokens=80, **sampling)
+    assert joined(on) == joined(off)
+    assert off_drafts == 0 and drafts > 0 and 0 < accepted <= draft_tokens
+    assert on_steps + accepted == off_steps  # each kept draft token is a step saved
+    assert on_steps < 0.7 * off_steps
+    if "logprobs" in sampling:
+        on_logprobs = [(lp.token_id, lp.logprob) for r in on for lp in r.logprobs]
+        off_logprobs = [(lp.token_id, lp.logprob) for r in off for lp in r.logprobs]
+        assert [t for t, _ in on_logprobs] == [t for t, _ in off_logprobs] == joined(on)[1]
+        assert [v for _, v in on_logprobs] == pytest.approx([v for _, v in off_logprobs], abs=1e-4)
+    assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens == len(joined(on)[1])
+    assert every_page_accounted(stack.daemon_address)
+
+
+def test_a_stop_string_inside_a_drafted_run_ends_text_and_tokens_where_speculation_off_does(
+    stack: Stack, stub: Stub
+) -> None:
+    stop = {"temperature": 0.0, "max_tokens": 80, "stop": ["ships that"]}
+    off, _ = run(stack, stub, speculative=False, **stop)
+    on, (_, drafts, _, accepted) = run(stack, stub, **stop)
+    text, tokens = joined(on)
+    assert (text, tokens) == joined(off)
+    assert text.endswith("the ") and "ships" not in text and PASSAGE.startswith(text.strip()[:40])
+    assert on[-1].finish_reason == Reason.STOP and on[-1].matched_stop_str == "ships that"
+    assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens == len(tokens)
+    # Every draft was kept whole (6 tokens a step), so the last response, shorter, was cut at the stop.
+    assert drafts > 0 and accepted == 5 * drafts and len(on[-1].token_ids) < 6
+    assert every_page_accounted(stack.daemon_address)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--speculative", "eagle"], "invalid choice: 'eagle'"),
+        (["--speculative", "ngram", "--num-speculative-tokens", "0"], "must be between 1 and 16, got 0"),
+        (["--speculative", "ngram", "--num-speculative-tokens", "17"], "must be between 1 and 16, got 17"),
+    ],
+)
+def test_bad_speculation_flags_stop_the_worker_with_a_message(flags: list[str], says: str) -> None:
+    command = [sys.executable, "-m", "services.cli", "worker", *flags]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr, done.stderr

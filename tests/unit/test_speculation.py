@@ -1,0 +1,363 @@
+"""Speculative decoding (services.worker.core.speculation) in the engine, on a small random model.
+
+Sections:
+
+- The n-gram proposer: the longest recent suffix, its latest earlier occurrence, the limit, and the pause
+  after drafts that gain nothing.
+- Verification in the engine. A random model does not copy its prompt, so most of these tests draft with
+  an oracle that knows the speculation-off output and spoils one token of every other draft: each draft is
+  then partly kept and partly rolled back, in known amounts. The output must be speculation-off's token for
+  token (greedy, seeded, with log-probabilities, min_tokens, stop tokens and max_tokens), in fewer steps;
+  rejected tokens' pages go back at once and every page is back at the end; drafts run beside plain rows
+  and prefill chunks, through preemption, with async scheduling, and publish their pages to the prefix cache.
+- The output distribution of unseeded sampling: the same as speculation-off's (a chi-squared test).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.kernels import TorchBackend
+from services.common.request import EngineRequest
+from services.common.sampling import SamplingOptions
+from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.sequence import FinishReason, RequestOutput
+from services.worker.core.speculation import MAX_PAUSE, Drafting, NgramProposer, lookup
+from services.worker.kv.local import LocalKVCache
+from services.worker.models import CausalLM, load_model
+from tests.models import VOCAB, make_model
+from tests.pages import assert_pages_back
+
+# The n-gram proposer ----------------------------------------------------------------------------------------
+
+
+def test_the_longest_suffix_proposes_what_followed_its_latest_occurrence() -> None:
+    tokens = np.array([1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4])
+    # The 4-gram 1 2 3 4 occurs at 0 (then 9 9 2); the 3-gram 2 3 4 also at 6 (then 5 6 7): longer wins.
+    assert lookup(tokens, 3) == (9, 9, 2)
+    assert lookup(np.array([5, 6, 7, 5, 6, 8, 5, 6]), 4) == (8, 5, 6)  # the latest of two occurrences
+    assert lookup(np.array([5, 6, 7, 8, 5, 6]), 10) == (7, 8, 5, 6)  # to the end, at most the limit
+    assert lookup(np.array([5, 6, 7, 8, 9, 5]), 4) == ()  # one token alone is not enough
+    assert lookup(np.array([5, 6]), 4) == ()
+
+
+def test_a_proposer_pauses_longer_after_each_draft_that_gains_nothing() -> None:
+    proposer = NgramProposer(num_tokens=3)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    drafting = Drafting()
+    assert proposer.propose(tokens, drafting, limit=8) == (3, 4, 5)  # num_tokens caps it
+    assert proposer.propose(tokens, drafting, limit=2) == (3, 4)
+    pauses = []
+    for _ in range(7):
+        proposer.record(drafting, accepted=0)
+        pauses.append(drafting.pause)
+        skipped = 0
+        while proposer.propose(tokens, drafting, limit=3) == ():
+            skipped += 1
+        assert skipped == pauses[-1]
+    assert pauses == [1, 2, 4, 8, 16, MAX_PAUSE, MAX_PAUSE]
+    proposer.record(drafting, accepted=1)  # a gain resets it
+    proposer.record(drafting, accepted=0)
+    assert drafting.pause == 1
+
+
+# Verification in the engine ---------------------------------------------------------------------------------
+
+PROMPTS = [
+    [3 + (i * step) % (VOCAB - 5) for i in range(length)] for step, length in ((7, 5), (11, 21), (13, 40))
+]
+MAX_TOKENS = 20
+
+
+class Oracle:
+    """Drafts the reference output's next tokens, with every other draft's token at offset 1 spoiled unless
+    told not to: a kept draft gains all its tokens, a spoiled one gains one (the token before the spoiled
+    one)."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], num_tokens: int = 4) -> None:
+        self.references = references  # prompt -> its whole reference output
+        self.num_tokens = num_tokens
+        self.spoils = True
+        self.drafted: list[tuple[int, ...]] = []
+        self.recorded: list[int] = []
+
+    def propose(self, tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
+        prompt = next(p for p in self.references if tuple(tokens[: len(p)]) == p)
+        done = len(tokens) - len(prompt)
+        draft = list(self.references[prompt][done : done + min(limit, self.num_tokens)])
+        if self.spoils and len(self.drafted) % 2 and len(draft) > 1:
+            draft[1] = (draft[1] + 1) % VOCAB
+        self.drafted.append(tuple(draft))
+        return tuple(draft)
+
+    def record(self, drafting: Drafting, accepted: int) -> None:
+        self.recorded.append(accepted)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    folder: Path = make_model("llama", tmp_path_factory.mktemp("llama"))
+    return load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend())
+
+
+def make_engine(
+    model: CausalLM,
+    *,
+    speculative: Literal["off", "ngram"] = "off",
+    scheduling: Literal["on", "off"] = "off",
+    num_pages: int = 128,
+    max_batched_tokens: int = 32,
+) -> EngineCore:
+    kv = LocalKVCache(model.spec.pool_shape("float32", 4), num_pages)
+    config = EngineConfig(
+        max_batched_tokens=max_batched_tokens,
+        max_num_seqs=8,
+        async_scheduling=scheduling,
+        speculative=speculative,
+    )
+    return EngineCore(model, kv, config)
+
+
+def generate(
+    engine: EngineCore, options: SamplingOptions | list[SamplingOptions], prompts: list[list[int]] = PROMPTS
+) -> dict[int, list[RequestOutput]]:
+    each = options if isinstance(options, list) else [options] * len(prompts)
+    for key, (prompt, option) in enumerate(zip(prompts, each, strict=True)):
+        engine.add(engine.new_sequence(key, EngineRequest(tuple(prompt), option)))
+    got: dict[int, list[RequestOutput]] = defaultdict(list)
+    for output in engine.run_until_done():
+        got[output.key].append(output)  # type: ignore[index]
+    assert_pages_back(engine.kv)
+    return got
+
+
+LOGPROB_ATOL = 1e-4  # a draft's rows run as a chunk, which sums in another order than a decode
+
+
+def summary(outputs: dict[int, list[RequestOutput]]) -> dict[int, tuple[list[int], list, str]]:
+    """Each request's tokens, log-probabilities (each token's, then its top tokens') and finish reason."""
+    return {
+        key: (
+            [t for o in got for t in o.token_ids],
+            [[(lp.token_id, lp.logprob), *lp.top] for o in got for lp in o.logprobs],
+            str(got[-1].finish_reason),
+        )
+        for key, got in outputs.items()
+    }
+
+
+def assert_same(
+    got: dict[int, tuple[list[int], list, str]], reference: dict[int, tuple[list[int], list, str]]
+) -> None:
+    """The same tokens, top tokens and finish reasons; log-probabilities within LOGPROB_ATOL."""
+    assert got.keys() == reference.keys()
+    for key, (tokens, logprobs, reason) in got.items():
+        assert (tokens, reason) == (reference[key][0], reference[key][2]), f"request {key}"
+        assert [[t for t, _ in row] for row in logprobs] == [[t for t, _ in row] for row in reference[key][1]]
+        values = [v for row in logprobs for _, v in row]
+        assert values == pytest.approx([v for row in reference[key][1] for _, v in row], abs=LOGPROB_ATOL)
+
+
+def with_oracle(
+    engine: EngineCore, reference: dict[int, tuple[list[int], list, str]], prompts: list[list[int]] = PROMPTS
+) -> Oracle:
+    oracle = Oracle({tuple(prompts[key]): tokens for key, (tokens, _, _) in reference.items()})
+    engine.scheduler.proposer = oracle  # type: ignore[assignment]
+    return oracle
+
+
+KINDS = {
+    "greedy": SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    "seeded": SamplingOptions(
+        max_tokens=MAX_TOKENS, temperature=0.8, top_k=40, top_p=0.95, seed=3, ignore_eos=True
+    ),
+    "logprobs": SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3),
+    "logit_bias": SamplingOptions(
+        max_tokens=MAX_TOKENS, temperature=0.5, seed=11, logit_bias=((5, 3.0), (9, 2.0))
+    ),
+}
+
+
+@pytest.mark.parametrize("scheduling", ["off", "on"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafts_give_the_tokens_of_speculation_off_in_fewer_steps(
+    model: CausalLM, kind: str, scheduling: str
+) -> None:
+    off = make_engine(model, scheduling=scheduling)  # type: ignore[arg-type]
+    reference = summary(generate(off, KINDS[kind]))
+    engine = make_engine(model, speculative="ngram", scheduling=scheduling)  # type: ignore[arg-type]
+    oracle = with_oracle(engine, reference)
+    assert_same(summary(generate(engine, KINDS[kind])), reference)
+    scheduler = engine.scheduler
+    # Each kept draft gains its length; each spoiled one, the one token before the spoiled one.
+    assert scheduler.drafts_checked == len(oracle.drafted) > 10
+    assert oracle.recorded == [
+        len(d) if i % 2 == 0 or len(d) < 2 else 1 for i, d in enumerate(oracle.drafted)
+    ]
+    assert scheduler.accepted_tokens == sum(oracle.recorded)
+    assert scheduler.draft_tokens == sum(map(len, oracle.drafted))
+    assert engine.steps < off.steps - 3
+    assert engine.generation_tokens == off.generation_tokens == len(PROMPTS) * MAX_TOKENS
+
+
+def test_a_stop_token_inside_a_draft_ends_the_output_there(model: CausalLM) -> None:
+    greedy = KINDS["greedy"]
+    reference = summary(generate(make_engine(model), greedy))
+    tokens = reference[1][0]
+    stop = tokens[6]
+    expected = tokens[: tokens.index(stop) + 1]
+    options = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    engine = make_engine(model, speculative="ngram")
+    with_oracle(engine, reference)
+    got = generate(engine, options, [PROMPTS[1]])[0]
+    assert [t for o in got for t in o.token_ids] == expected
+    assert got[-1].finish_reason is FinishReason.STOP
+    assert any(len(o.token_ids) > 1 for o in got)  # drafts were kept on the way
+
+
+def test_min_tokens_holds_an_end_back_at_each_drafted_position(model: CausalLM) -> None:
+    """min_tokens 8, with EOS favoured: speculation-off ends with an EOS as the 9th token. A right draft
+    across that boundary keeps it there (each row counts its own position), and an EOS that a draft
+    proposes before min_tokens is refused at its row, as speculation-off refuses it at its step."""
+    eos = model.spec.eos_token_ids[0]
+    options = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, min_tokens=8, logit_bias=((eos, 9.0),))
+    reference = summary(generate(make_engine(model), options, [PROMPTS[2]]))
+    assert reference[0][0][8:] == [eos] and reference[0][2] == "FinishReason.STOP"
+    for straddling in (6, 4, 3):  # drafts that reach past the 8th token from the 3rd, 5th and 6th
+        engine = make_engine(model, speculative="ngram")
+        oracle = with_oracle(engine, reference, [PROMPTS[2]])
+        oracle.num_tokens, oracle.spoils = straddling, False
+        assert_same(summary(generate(engine, options, [PROMPTS[2]])), reference)
+        assert engine.steps < 6
+    engine = make_engine(model, speculative="ngram")
+    oracle = with_oracle(engine, reference, [PROMPTS[2]])
+
+    def eager_end(tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
+        draft = Oracle.propose(oracle, tokens, drafting, limit)
+        return (eos, *draft[1:]) if draft else draft  # an EOS at the first drafted position, always
+
+    oracle.propose = eager_end  # type: ignore[method-assign]
+    assert_same(summary(generate(engine, options, [PROMPTS[2]])), reference)
+    assert engine.scheduler.drafts_checked > 0
+
+
+def test_a_draft_never_runs_past_max_tokens(model: CausalLM) -> None:
+    """max_tokens 7: after the first token, a draft of at most 5 (its step gives at most 6 tokens)."""
+    options = SamplingOptions(max_tokens=7, temperature=0.0, ignore_eos=True)
+    reference = summary(generate(make_engine(model), options))
+    engine = make_engine(model, speculative="ngram")
+    oracle = with_oracle(engine, reference)
+    oracle.num_tokens = 16
+    assert_same(summary(generate(engine, options)), reference)
+    assert max(map(len, oracle.drafted)) == 5
+    assert all(len(tokens) == 7 for tokens, _, _ in reference.values())
+
+
+def test_rejected_tokens_give_their_pages_back_at_once(model: CausalLM) -> None:
+    """Pages of 4 tokens: a prompt of 5 decodes its first token, then drafts 12 tokens, all wrong; the step
+    holds pages for 5 + 1 + 12 positions (5 pages) and keeps what 7 tokens need (2)."""
+    prompt = PROMPTS[0]
+    engine = make_engine(model, speculative="ngram")
+    wrong = iter(itertools.cycle([(7,) * 12]))
+    drafted: list[int] = []
+
+    class Wrong:
+        num_tokens = 12
+
+        def propose(self, tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
+            return next(wrong)[:limit]
+
+        def record(self, drafting: Drafting, accepted: int) -> None:
+            drafted.append(accepted)
+
+    engine.scheduler.proposer = Wrong()  # type: ignore[assignment]
+    options = SamplingOptions(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logit_bias=((7, -100.0),)
+    )
+    seq = engine.new_sequence("r", EngineRequest(tuple(prompt), options))
+    engine.add(seq)
+    engine.step()  # the prefill, and the first token
+    assert seq.num_tokens == 6 and seq.num_pages == 2
+    held = engine.kv.usage().in_use_pages
+    engine.step()  # a draft of 12, none kept (7 is never drawn)
+    assert drafted == [0] and seq.num_tokens == 7 and seq.num_pages == 2
+    assert engine.kv.usage().in_use_pages == held
+    engine.run_until_done()
+    assert_pages_back(engine.kv)
+
+
+def test_drafts_run_beside_plain_rows_prefill_chunks_and_preemption(model: CausalLM) -> None:
+    """Three requests speculate, one turns it off, one has penalties (which read tokens one by one), and a
+    long prompt is prefilled in chunks beside them, in a pool too small to hold them all at once."""
+    prompts = [*PROMPTS, PROMPTS[1][::-1], [5 + (i * 17) % (VOCAB - 9) for i in range(70)]]
+    options = [
+        KINDS["greedy"],
+        KINDS["seeded"],
+        KINDS["logprobs"],
+        SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, speculative=False),
+        SamplingOptions(
+            max_tokens=MAX_TOKENS, temperature=0.7, seed=4, repetition_penalty=1.3, ignore_eos=True
+        ),
+    ]
+    off = make_engine(model, num_pages=30)
+    reference = summary(generate(off, options, prompts))
+    assert off.scheduler.preemptions > 0
+    engine = make_engine(model, speculative="ngram", num_pages=30)
+    oracle = with_oracle(engine, reference, prompts)
+    assert_same(summary(generate(engine, options, prompts)), reference)
+    assert engine.scheduler.preemptions > 0
+    # Drafts only for the three that may speculate: the oracle was never asked about the other two.
+    asked = engine.scheduler.drafts_checked
+    assert asked == len(oracle.drafted) > 10 and engine.steps < off.steps
+
+
+def test_kept_tokens_publish_their_pages_to_the_prefix_cache(model: CausalLM) -> None:
+    greedy = KINDS["greedy"]
+    reference = summary(generate(make_engine(model), greedy, [PROMPTS[2]]))
+    engine = make_engine(model, speculative="ngram")
+    with_oracle(engine, reference, [PROMPTS[2]])
+    generate(engine, greedy, [PROMPTS[2]])
+    # The prompt and output again: every full page but the last token's comes from the cache.
+    whole = [*PROMPTS[2], *reference[0][0]]
+    again = generate(engine, SamplingOptions(max_tokens=1, temperature=0.0), [whole])[0]
+    assert again[-1].cached_prompt_tokens == (len(whole) - 1) // 4 * 4
+
+
+# The output distribution of unseeded sampling ---------------------------------------------------------------
+
+
+def test_unseeded_sampling_draws_from_the_models_distribution(model: CausalLM) -> None:
+    """600 unseeded samples of 3 tokens each, speculation off and with a draft of the most likely tokens:
+    the third token's distribution (a chi-squared test over the tokens seen 10 times or more) and the rate
+    of each draft's acceptance agree."""
+    prompt = PROMPTS[1]
+    options = SamplingOptions(max_tokens=3, temperature=1.5, top_k=8, ignore_eos=True)
+    greedy = summary(
+        generate(
+            make_engine(model), SamplingOptions(max_tokens=3, temperature=0.0, ignore_eos=True), [prompt]
+        )
+    )
+
+    def third_tokens(speculative: Literal["off", "ngram"]) -> Counter[int]:
+        engine = make_engine(model, speculative=speculative, max_batched_tokens=2048)
+        if speculative == "ngram":
+            with_oracle(engine, greedy, [prompt]).num_tokens = 2
+        outputs = generate(engine, options, [prompt] * 600)
+        return Counter([t for o in got for t in o.token_ids][2] for got in outputs.values())
+
+    off, on = third_tokens("off"), third_tokens("ngram")
+    common = [t for t in off if off[t] + on[t] >= 10]
+    table = np.array([[off[t] for t in common], [on[t] for t in common]], dtype=float)
+    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0) / table.sum()
+    chi2 = float(((table - expected) ** 2 / expected).sum())
+    # With len(common) - 1 degrees of freedom, chi2 is below 3x them but with negligible chance when the
+    # distributions are the same; a draft whose tokens were always kept would move a clear share of the
+    # mass to the greedy token.
+    assert len(common) >= 3 and chi2 < 3 * (len(common) - 1) + 10, (off, on, chi2)
