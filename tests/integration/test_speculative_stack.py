@@ -62,10 +62,12 @@ def steps_and_drafts(stack: Stack) -> tuple[float, float, float, float]:
     )
 
 
-def run(stack: Stack, stub: Stub, **sampling: Any) -> tuple[list[pb.GenerateResponse], tuple[float, ...]]:
+def run(
+    stack: Stack, stub: Stub, messages: list[dict[str, str]] = COPY, **sampling: Any
+) -> tuple[list[pb.GenerateResponse], tuple[float, ...]]:
     """One request alone; its responses, and what it added to the worker's step and draft counters."""
     before = steps_and_drafts(stack)
-    responses = stream(stub, generate_request(messages=COPY, **sampling), timeout=120)
+    responses = stream(stub, generate_request(messages=messages, **sampling), timeout=120)
     wait_for_idle_worker(stack)
     after = steps_and_drafts(stack)
     return responses, tuple(b - a for a, b in zip(before, after, strict=True))
@@ -91,6 +93,42 @@ def test_a_copying_request_gets_speculation_offs_tokens_in_fewer_steps(
         assert [t for t, _ in on_logprobs] == [t for t, _ in off_logprobs] == joined(on)[1]
         assert [v for _, v in on_logprobs] == pytest.approx([v for _, v in off_logprobs], abs=1e-4)
     assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens == len(joined(on)[1])
+    assert every_page_accounted(stack.daemon_address)
+
+
+RECORD = {"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics"}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "born": {"type": "integer"},
+        "city": {"type": "string"},
+        "field": {"type": "string"},
+    },
+    "required": ["name", "born", "city", "field"],
+}
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0, "structured": pb.StructuredOutput(json_schema=json.dumps(SCHEMA))},
+        {"temperature": 0.5, "seed": 7, "frequency_penalty": 0.3, "presence_penalty": 0.2},
+    ],
+    ids=["json-schema", "seeded-penalized"],
+)
+def test_grammars_and_penalties_see_each_drafted_position(
+    stack: Stack, stub: Stub, sampling: dict[str, Any]
+) -> None:
+    """A structured output's grammar masks each drafted row after the draft's tokens before it, and
+    penalties count those tokens as output: the output is speculation-off's, with drafts kept."""
+    messages = user("Repeat this JSON exactly:\n" + json.dumps(RECORD))
+    off, _ = run(stack, stub, messages, max_tokens=60, speculative=False, **sampling)
+    on, (_, drafts, _, accepted) = run(stack, stub, messages, max_tokens=60, **sampling)
+    assert joined(on) == joined(off)
+    assert drafts > 0 and accepted > 0
+    if "structured" in sampling:
+        assert json.loads(joined(on)[0]).keys() == RECORD.keys()
     assert every_page_accounted(stack.daemon_address)
 
 

@@ -20,7 +20,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.structured import Constraint
-from services.worker.core.grammar import Grammars, mask_logits
+from services.worker.core.grammar import Grammars, fill_masks, mask_logits
 from services.worker.models.registry import load_spec
 from tests.clients import every_page_accounted
 from tests.integration.streams import wait_for_idle_worker
@@ -296,3 +296,31 @@ def test_choices_that_need_escaping_constrain_exactly(
         assert text in choices, (text, choices)
         seen.add(text)
     assert len(seen) > 1 or len(choices) == 1  # random logits reach more than one choice
+
+
+def test_a_drafts_rows_are_masked_after_the_drafted_tokens_before_them(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """Speculative decoding: the masks of a draft's rows are those a matcher stepped through the draft
+    would give, and neither `allows` nor `fill_along` moves the matcher; a draft is cut where its grammar
+    ends or refuses a token."""
+    schema = json.dumps(
+        {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+    )
+    constraint = Constraint("json_schema", schema)
+    draft = tokenizer('{"name": "Ada", "n": 1815}', add_special_tokens=False)["input_ids"]
+    eos = load_spec(default_model_dir()).eos_token_ids[0]
+    state = grammars.state(constraint)
+    assert state.allows([*draft, eos, draft[0]]) == len(draft)  # short of the end: nothing may follow it
+    assert state.allows([*draft[:3], tokenizer("}}", add_special_tokens=False)["input_ids"][0]]) == 3
+    masks = fill_masks([None, state], grammars.vocab_size, [(7, 8), draft])
+    assert masks is not None and masks.shape[0] == 3 + len(draft) + 1
+    assert bool((masks[:3] == -1).all())  # the row without a grammar, and its draft's, allow everything
+    stepped = grammars.state(constraint)
+    for row, token_id in enumerate([*draft, eos]):
+        expected = fill_masks([stepped], grammars.vocab_size)
+        assert expected is not None and torch.equal(masks[3 + row], expected[0]), f"row {row}"
+        if token_id != eos:
+            assert stepped.accept(token_id)
+    again = fill_masks([state], grammars.vocab_size)  # the state has not moved
+    assert again is not None and torch.equal(again[0], masks[3])

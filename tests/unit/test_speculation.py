@@ -7,10 +7,14 @@ Sections:
 - Verification in the engine. A random model does not copy its prompt, so most of these tests draft with
   an oracle that knows the speculation-off output and spoils one token of every other draft: each draft is
   then partly kept and partly rolled back, in known amounts. The output must be speculation-off's token for
-  token (greedy, seeded, with log-probabilities, min_tokens, stop tokens and max_tokens), in fewer steps;
+  token (greedy, seeded, with log-probabilities, logit bias, penalties, min_tokens, stop tokens and
+  max_tokens, and resumed after a failover), in fewer steps;
   rejected tokens' pages go back at once and every page is back at the end; drafts run beside plain rows
   and prefill chunks, through preemption, with async scheduling, and publish their pages to the prefix cache.
+- A drafted row draws what a plain step after the draft's tokens would (the sampler alone).
 - The output distribution of unseeded sampling: the same as speculation-off's (a chi-squared test).
+Structured outputs' masks along a draft: tests/integration/test_structured.py; on a real stack:
+tests/integration/test_speculative_stack.py.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from pagedserve.kernels import TorchBackend
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.engine import EngineConfig, EngineCore
-from services.worker.core.sequence import FinishReason, RequestOutput
+from services.worker.core.sampler import draw
+from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.core.speculation import MAX_PAUSE, Drafting, NgramProposer, lookup
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM, load_model
@@ -87,9 +92,11 @@ class Oracle:
         self.spoils = True
         self.drafted: list[tuple[int, ...]] = []
         self.recorded: list[int] = []
+        self.asked: set[tuple[int, ...]] = set()  # the prompts it drafted for
 
     def propose(self, tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
         prompt = next(p for p in self.references if tuple(tokens[: len(p)]) == p)
+        self.asked.add(prompt)
         done = len(tokens) - len(prompt)
         draft = list(self.references[prompt][done : done + min(limit, self.num_tokens)])
         if self.spoils and len(self.drafted) % 2 and len(draft) > 1:
@@ -294,8 +301,10 @@ def test_rejected_tokens_give_their_pages_back_at_once(model: CausalLM) -> None:
 
 
 def test_drafts_run_beside_plain_rows_prefill_chunks_and_preemption(model: CausalLM) -> None:
-    """Three requests speculate, one turns it off, one has penalties (which read tokens one by one), and a
-    long prompt is prefilled in chunks beside them, in a pool too small to hold them all at once."""
+    """Four requests speculate, one of them with every penalty (each drafted row counts the draft's tokens
+    before it as output) and a long prompt prefilled in chunks beside the others' drafts; one turns
+    speculation off; the pool is too small to hold them all at once, so some are preempted and recomputed,
+    and a draft with no pages left for it falls back to a plain decode."""
     prompts = [*PROMPTS, PROMPTS[1][::-1], [5 + (i * 17) % (VOCAB - 9) for i in range(70)]]
     options = [
         KINDS["greedy"],
@@ -303,7 +312,13 @@ def test_drafts_run_beside_plain_rows_prefill_chunks_and_preemption(model: Causa
         KINDS["logprobs"],
         SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, speculative=False),
         SamplingOptions(
-            max_tokens=MAX_TOKENS, temperature=0.7, seed=4, repetition_penalty=1.3, ignore_eos=True
+            max_tokens=MAX_TOKENS,
+            temperature=0.7,
+            seed=4,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.4,
+            ignore_eos=True,
         ),
     ]
     off = make_engine(model, num_pages=30)
@@ -313,9 +328,9 @@ def test_drafts_run_beside_plain_rows_prefill_chunks_and_preemption(model: Causa
     oracle = with_oracle(engine, reference, prompts)
     assert_same(summary(generate(engine, options, prompts)), reference)
     assert engine.scheduler.preemptions > 0
-    # Drafts only for the three that may speculate: the oracle was never asked about the other two.
-    asked = engine.scheduler.drafts_checked
-    assert asked == len(oracle.drafted) > 10 and engine.steps < off.steps
+    assert oracle.asked == {tuple(p) for k, p in enumerate(prompts) if k != 3}
+    assert 10 < engine.scheduler.drafts_checked <= len(oracle.drafted)
+    assert engine.steps < off.steps
 
 
 def test_kept_tokens_publish_their_pages_to_the_prefix_cache(model: CausalLM) -> None:
@@ -328,6 +343,54 @@ def test_kept_tokens_publish_their_pages_to_the_prefix_cache(model: CausalLM) ->
     whole = [*PROMPTS[2], *reference[0][0]]
     again = generate(engine, SamplingOptions(max_tokens=1, temperature=0.0), [whole])[0]
     assert again[-1].cached_prompt_tokens == (len(whole) - 1) // 4 * 4
+
+
+@pytest.mark.parametrize("cut", [1, 7, 13])
+def test_a_seeded_request_resumed_on_a_speculating_worker_goes_on_exactly(model: CausalLM, cut: int) -> None:
+    """A failover: the tokens one worker sent become the request's `generated` on another, which drafts;
+    the rest is what the first would have sent, since each token depends on its seed and position alone."""
+    options = KINDS["seeded"]
+    reference = summary(generate(make_engine(model), options, [PROMPTS[1]]))
+    tokens = reference[0][0]
+    engine = make_engine(model, speculative="ngram")
+    with_oracle(engine, reference, [PROMPTS[1]])
+    request = EngineRequest(tuple(PROMPTS[1]), options, generated=tuple(tokens[:cut]))
+    engine.add(engine.new_sequence("r", request))
+    rest = [t for output in engine.run_until_done() for t in output.token_ids]
+    assert rest == tokens[cut:]
+    assert engine.scheduler.accepted_tokens > 0
+    assert_pages_back(engine.kv)
+
+
+def test_a_drafted_row_draws_as_the_step_after_its_draft_would(model: CausalLM) -> None:
+    """The sampler's row for the token after a draft's tokens (prefixes) draws exactly what a plain step
+    draws once those tokens are the sequence's: seeded noise at its position, min_tokens counted there,
+    and penalties counting the draft's tokens as output."""
+    options = SamplingOptions(
+        max_tokens=20,
+        temperature=0.9,
+        seed=21,
+        min_tokens=4,
+        repetition_penalty=1.5,
+        frequency_penalty=1.0,
+        presence_penalty=1.5,
+    )
+    prompt, output, draft = (5, 6, 7, 8), [9, 10], (11, 12, 9)
+    drafted = Sequence("a", EngineRequest(prompt, options), 0)
+    drafted.tokens += output
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    logits[:, [11, 12]] += 9.0  # the draft's tokens: drawn almost surely, unless penalized as output
+    logits[:, model.spec.eos_token_ids[0]] += 6.0  # an end that min_tokens holds back at first
+    rows = [drafted] * 4
+    prefixes = [draft[:offset] for offset in range(4)]
+    got = draw(logits, rows, frozenset(model.spec.eos_token_ids), None, prefixes).samples().token_ids
+    for offset in range(4):
+        plain = Sequence("b", EngineRequest(prompt, options), 0)
+        plain.tokens += [*output, *draft[:offset]]
+        alone = draw(logits[offset : offset + 1], [plain], frozenset(model.spec.eos_token_ids))
+        assert got[offset] == alone.samples().token_ids[0], f"row {offset}"
+    without = draw(logits, rows, frozenset(model.spec.eos_token_ids)).samples().token_ids
+    assert without != got  # the prefixes matter here
 
 
 # The output distribution of unseeded sampling ---------------------------------------------------------------

@@ -39,6 +39,27 @@ class GrammarState:
         """Advance past token_id; False if the grammar does not allow it (the mask was not applied)."""
         return bool(self._matcher.accept_token(token_id))
 
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many of tokens, from the first, the grammar allows from here, short of a token that ends it;
+        its place does not move."""
+        count = 0
+        while count < len(tokens) and self.accept(tokens[count]):
+            count += 1
+            if self._matcher.is_terminated():  # no row may follow an end: the row before it draws it
+                self._matcher.rollback(count)
+                return count - 1
+        self._matcher.rollback(count)
+        return count
+
+    def fill_along(self, masks: torch.Tensor, row: int, draft: Sequence[int]) -> None:
+        """Fill rows row .. row + len(draft) with the tokens allowed here and after each of draft's tokens
+        (which `allows`); its place does not move."""
+        for offset, token_id in enumerate(draft):
+            self.fill(masks, row + offset)
+            self.accept(token_id)
+        self.fill(masks, row + len(draft))
+        self._matcher.rollback(len(draft))
+
     @property
     def terminated(self) -> bool:
         """The grammar has ended and accepted a stop token: nothing may follow."""
@@ -113,15 +134,21 @@ class Grammars:
         )
 
 
-def fill_masks(states: Sequence[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
-    """The bitmask [S, V / 32] of the tokens each state allows (rows without a state allow all); None when
-    no row has a state. It reads the states alone, so it may run while the model runs."""
+def fill_masks(
+    states: Sequence[GrammarState | None], vocab_size: int, drafts: Sequence[Sequence[int]] = ()
+) -> torch.Tensor | None:
+    """The bitmask of the tokens each state allows (rows without a state allow all), a row per state and
+    one more for each token of its draft (`GrammarState.fill_along`), if drafts are given; None when no
+    state is given. It reads the states alone, so it may run while the model runs."""
     if all(state is None for state in states):
         return None
-    masks = xgr.allocate_token_bitmask(len(states), vocab_size)
-    for row, state in enumerate(states):
+    drafts = drafts or [()] * len(states)
+    masks = xgr.allocate_token_bitmask(sum(1 + len(draft) for draft in drafts), vocab_size)
+    row = 0
+    for state, draft in zip(states, drafts, strict=True):
         if state is not None:
-            state.fill(masks, row)
+            state.fill_along(masks, row, draft)
+        row += 1 + len(draft)
     return masks
 
 
@@ -129,8 +156,8 @@ def mask_logits(
     logits: torch.Tensor, states: Sequence[GrammarState | None], masks: torch.Tensor | None = None
 ) -> list[int]:
     """Mask, in place, each row of logits [S, V] whose state is not None to the tokens its grammar allows,
-    with masks from `fill_masks` if given. Returns the rows that allow no token at all: their sequences can go
-    no further."""
+    with masks from `fill_masks` if given (a draft's rows need them). Returns the rows that allow no token at
+    all: their sequences can go no further."""
     rows = [row for row, state in enumerate(states) if state is not None]
     if not rows:
         return []

@@ -10,6 +10,7 @@ scheduler never waits for the device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,27 +99,30 @@ class ModelRunner:
             _take_pending_tokens(batch, previous)
         sampled = [item.seq for item in batch.sampling]
         drafts = [item.draft for item in batch.sampling]
-        # A row for each token drawn: each sampled sequence's, at offsets 0 .. its draft's length.
-        rows = [(item.seq, offset) for item in batch.sampling for offset in range(1 + len(item.draft))]
-        row_seqs = [seq for seq, _ in rows]
-        states = [seq.grammar if offset == 0 else None for seq, offset in rows]
-        filling = None
-        if self._masker is not None and any(state is not None for state in states):
-            filling = self._masker.submit(fill_masks, states, self.model.spec.vocab_size)
+        # A row for each token drawn: each sampled sequence's, then one after each token of its draft.
+        rows = [
+            (item.seq, item.draft[:offset])
+            for item in batch.sampling
+            for offset in range(1 + len(item.draft))
+        ]
+        states = [seq.grammar for seq in sampled]
+        fill = functools.partial(fill_masks, states, self.model.spec.vocab_size, drafts)
+        grammars = any(state is not None for state in states)
+        filling = self._masker.submit(fill) if self._masker is not None and grammars else None
         logits = self.graphs.run(batch) if self.graphs is not None and not batch.scored else None
         if logits is None:  # a prefill, a batch larger than any graph, or no graphs
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.metas, self.kv.kv, batch.logits_indices
             )
-        masks = filling.result() if filling is not None else None
-        offsets = [offset for _, offset in rows] if len(rows) > len(sampled) else None
+        masks = filling.result() if filling is not None else fill() if grammars else None
+        prefixes = [prefix for _, prefix in rows] if len(rows) > len(sampled) else None
         return StepInFlight(
             number,
             batch.items,
             [item.seq.epoch for item in batch.items],
             sampled,
             drafts,
-            draw(logits[: len(rows)], row_seqs, self._eos, masks, offsets),
+            draw(logits[: len(rows)], [seq for seq, _ in rows], self._eos, masks, prefixes),
             batch.num_tokens,
             _score_prompts(logits[len(rows) :], batch.scored),
         )

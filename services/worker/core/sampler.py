@@ -72,30 +72,31 @@ def draw(
     seqs: list[Sequence],
     eos_token_ids: frozenset[int] = frozenset(),
     masks: torch.Tensor | None = None,
-    offsets: list[int] | None = None,
+    prefixes: list[tuple[int, ...]] | None = None,
 ) -> Draw:
     """Pick one token per row of logits [S, V] (fp32) for the matching sequence, with no wait for the device
     (unless a row's grammar or penalties need the host); masks: the rows' grammar masks, if already filled
-    (`grammar.fill_masks`); offsets: how many tokens past its sequence's end each row's token is (a draft's
-    rows: `speculation`), 0 for all rows if None."""
+    (`grammar.fill_masks`; a draft's rows need them); prefixes: the drafted tokens that each row's token
+    follows past its sequence's end (`speculation`), none if None: the row draws as a step without
+    speculation would once they were the sequence's."""
     options = [seq.options for seq in seqs]
-    offsets = offsets or [0] * len(seqs)
+    prefixes = prefixes or [()] * len(seqs)
     raw = logits
     dead_ends: list[int] = []
     if any(o.logit_bias or o.min_tokens for o in options) or any(seq.grammar for seq in seqs):
         logits = logits.clone()
-        dead_ends = restrict(logits, seqs, eos_token_ids, masks, offsets)
+        dead_ends = restrict(logits, seqs, eos_token_ids, masks, prefixes)
     if any(o.penalized for o in options):
-        logits = apply_penalties(logits if logits is not raw else logits.clone(), seqs)
+        logits = apply_penalties(logits if logits is not raw else logits.clone(), seqs, prefixes)
     greedy = logits.argmax(dim=-1)
     if all(o.greedy for o in options):
         chosen = greedy
     else:
         probs = filtered_probs(logits, options)
         noise = torch.empty_like(probs).exponential_()
-        for row, (seq, offset) in enumerate(zip(seqs, offsets, strict=True)):
+        for row, (seq, prefix) in enumerate(zip(seqs, prefixes, strict=True)):
             if seq.options.seed is not None and not seq.options.greedy:
-                position = seq.num_tokens + offset
+                position = seq.num_tokens + len(prefix)
                 noise[row] = to_device(
                     seeded_noise(seq.options.seed, position, noise.shape[1]), noise.dtype, noise
                 )
@@ -118,18 +119,18 @@ def restrict(
     seqs: list[Sequence],
     eos_token_ids: frozenset[int],
     masks: torch.Tensor | None = None,
-    offsets: list[int] | None = None,
+    prefixes: list[tuple[int, ...]] | None = None,
 ) -> list[int]:
     """Apply, in place, each row's logit bias, min_tokens' hold-back and grammar; returns the rows that allow
-    no token. offsets: as `draw`'s."""
+    no token. prefixes: as `draw`'s."""
     biased = [(row, token, bias) for row, seq in enumerate(seqs) for token, bias in seq.options.logit_bias]
     if biased:  # one scatter for the whole batch
         rows, tokens, values = zip(*biased, strict=True)
         index = (to_device(rows, torch.long, logits), to_device(tokens, torch.long, logits))
         logits.index_put_(index, to_device(values, logits.dtype, logits), accumulate=True)
-    for row, (seq, offset) in enumerate(zip(seqs, offsets or [0] * len(seqs), strict=True)):
+    for row, (seq, prefix) in enumerate(zip(seqs, prefixes or [()] * len(seqs), strict=True)):
         o = seq.options
-        if seq.num_tokens + offset - seq.prompt_len < o.min_tokens:
+        if seq.num_tokens + len(prefix) - seq.prompt_len < o.min_tokens:
             # EOS ends a constrained row whatever ignore_eos says, so min_tokens holds it back there too.
             ends = eos_token_ids if not o.ignore_eos or seq.grammar is not None else frozenset()
             held = to_device(sorted(set(o.stop_token_ids) | ends), torch.long, logits)
@@ -137,14 +138,16 @@ def restrict(
     return mask_logits(logits, [seq.grammar for seq in seqs], masks)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Penalize, in place, the rows whose sequences ask for it."""
+def apply_penalties(
+    logits: torch.Tensor, seqs: list[Sequence], prefixes: list[tuple[int, ...]] | None = None
+) -> torch.Tensor:
+    """Penalize, in place, the rows whose sequences ask for it; prefixes: as `draw`'s, output too."""
     vocab = logits.shape[1]
-    for row, seq in enumerate(seqs):
+    for row, (seq, prefix) in enumerate(zip(seqs, prefixes or [()] * len(seqs), strict=True)):
         o = seq.options
         if not o.penalized:
             continue
-        output = torch.tensor(seq.output_ids, dtype=torch.long, device=logits.device)
+        output = torch.tensor([*seq.output_ids, *prefix], dtype=torch.long, device=logits.device)
         counts = torch.zeros(vocab, device=logits.device).index_add_(
             0, output, torch.ones(len(output), device=logits.device)
         )

@@ -202,6 +202,10 @@ class Scheduler:
             if offset == 0:
                 seq.tokens[seq.num_known] = token
                 seq.in_flight -= 1
+            elif first + offset in samples.dead_ends or (
+                seq.grammar is not None and not seq.grammar.accept(token)
+            ):
+                break  # the draft ended its grammar: the next step finds the dead end itself
             else:  # the draft's token before it was right: its KV counts
                 seq.num_computed += 1
                 seq.tokens.append(token)
@@ -297,7 +301,10 @@ class Scheduler:
         ):
             return ()
         left = min(seq.prompt_len + seq.options.max_tokens, self.max_model_len) - seq.num_tokens
-        return self.proposer.propose(seq.tokens, seq.drafting, min(room, left - 1))
+        draft = self.proposer.propose(seq.tokens, seq.drafting, min(room, left - 1))
+        if seq.grammar is not None:  # only what its grammar allows: each drafted row is masked after it
+            draft = draft[: seq.grammar.allows(draft)]
+        return draft
 
     def would_draft(self, seqs: list[Sequence]) -> bool:
         """Whether the proposer would draft for any of these sequences once their last tokens are known."""

@@ -159,10 +159,9 @@ class Sequence:
 
     @property
     def speculates(self) -> bool:
-        """Whether a proposer may draft for it: it asked, and no grammar or penalty reads its tokens one by
-        one as they are drawn."""
-        o = self.options
-        return o.speculative and self.grammar is None and self.compiling is None and not o.penalized
+        """Whether a proposer may draft for it: it did not turn speculation off, and its grammar, if any, is
+        compiled."""
+        return self.options.speculative and self.compiling is None
 
     def reset(self) -> None:
         """Forget the KV (after preemption): the tokens stay and are recomputed on readmission."""

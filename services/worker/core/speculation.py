@@ -5,9 +5,12 @@ sequence's next step, which then gives up to the draft's length plus one token i
 looked up in its earlier tokens, prompt and output, and what followed their latest earlier occurrence is the
 draft. It needs no model, and it wins where the output copies its input (edits, quotes, extraction).
 
-How a draft is checked (the scheduler's `_take_draft`): the step runs the sequence's last token and the draft
-as one chunk, and draws a token at each of its positions exactly as a step without speculation would (the
-same greedy argmax, the same seeded noise for the same position: `sampler.draw`'s offsets). The draft is kept
+How a draft is checked (the scheduler's `_take_tokens`): the step runs the sequence's last token and the
+draft as one chunk, and draws a token at each of its positions exactly as a step without speculation would
+once the draft's tokens before it were the sequence's (`sampler.draw`'s prefixes): the same greedy argmax,
+the same seeded noise for the same position, min_tokens counted there, penalties counting those tokens as
+output, and a structured output's mask after them (`GrammarState.fill_along`; the scheduler cuts a draft
+where its grammar refuses a token or ends). The draft is kept
 up to its first token that differs from the draw there, and that draw is the next token. So the output is
 token for token the one speculation-off gives, for greedy and seeded requests alike, and a failover resumes
 it exactly. For a draft of fixed tokens, as the n-gram proposer's, this is rejection sampling: a proposed
