@@ -5,7 +5,10 @@
 # with 4 speculative tokens and n-grams of 2 to 4. Each server runs alone: started, loaded, stopped. Then the
 # table and the ratios against speculation off.
 #
-#   scripts/bench_speculative.sh OUT [REQUESTS]   (default 16 requests a run)
+#   scripts/bench_speculative.sh OUT [REQUESTS [SYSTEMS]]   (default: 16 requests a run; off ngram vllm-ngram)
+#
+# SYSTEMS reruns some systems into OUT, and the table is made again from all three. vLLM runs with Intel's
+# OpenMP preloaded where its build ships it, as its warning at start asks for speculative decoding on a CPU.
 #
 # Every system runs in bfloat16 (vLLM's CPU build runs nothing else well); pagedserve with int8 weights and
 # --max-batched-tokens 2048, its best CPU configuration (docs/bench/cpu-peers).
@@ -13,6 +16,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?OUT}
 requests=${2:-16}
+systems=${3:-off ngram vllm-ngram}
 # shellcheck source=scripts/bench_servers.sh
 source "$here/scripts/bench_servers.sh"
 
@@ -35,12 +39,19 @@ one() {  # $1: the system's name; the rest: flags for `pagedserve up`
   stop
 }
 
-one off --speculative off
-one ngram --speculative ngram --num-speculative-tokens 4
-start_vllm vllm-ngram 2 --speculative-config \
-  '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-workloads vllm-ngram http://127.0.0.1:8000
-stop
+for system in $systems; do
+  case $system in
+    off) one off --speculative off ;;
+    ngram) one ngram --speculative ngram --num-speculative-tokens 4 ;;
+    vllm-ngram)
+      iomp=$(dirname "$vllm_python")/../lib/libiomp5.so
+      LD_PRELOAD=$([ -f "$iomp" ] && echo "$iomp" || true) start_vllm vllm-ngram 2 --speculative-config \
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+      workloads vllm-ngram http://127.0.0.1:8000
+      stop
+      ;;
+  esac
+done
 "$here/.venv/bin/python" - "$out" <<'TABLE' | tee "$out/table.md"
 import json, sys
 from pathlib import Path

@@ -7,6 +7,7 @@ for the device while the driver stages it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from services.worker.core.sequence import Sequence
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    items: list[ScheduledSeq]  # in batch order: single-token chunks (decodes) first
+    items: list[ScheduledSeq]  # in batch order: single-token chunks (decodes, drafted or not) first
+    firsts: list[int]  # each item's first token in the batch
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metas: tuple[AttentionMetadata, ...]  # one for each group of layers: they differ in slots and tables
@@ -41,39 +43,50 @@ class ForwardBatch:
 
 def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device) -> ForwardBatch:
     """The step's inputs, with the metadata of each group of the model's layers (services.worker.kv.groups),
-    of which every sequence has a block table."""
-    ordered = sorted(items, key=lambda item: item.width != 1)  # stable: decodes first, in schedule order
+    of which every sequence has a block table.
+
+    Attention sees rows: a chunk is one row, and a decode with a draft (`speculation`) is a decode row for
+    each of its positions, its last token's and each drafted token's, each attending to the KV up to its own
+    position (which this step writes before attention reads it): each row then computes exactly what a
+    plain decode at that position would."""
+    ordered = sorted(items, key=lambda item: item.count != 1)  # stable: decodes first, in schedule order
+    rows = [
+        (item, start, count)
+        for item in ordered
+        for start, count in ([(p, 1) for p in item.positions] if item.draft else [(item.start, item.count)])
+    ]
     groups = len(ordered[0].seq.tables)
-    num_decodes = sum(item.width == 1 for item in ordered)
+    num_decodes = sum(count == 1 for _, _, count in rows)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[list[int]] = [[] for _ in range(groups)]
-    seq_lens: list[int] = []
-    query_start = [0]
+    firsts: list[int] = []  # each item's first token in the batch
     for item in ordered:
-        seq, end = item.seq, item.start + item.width
+        seq = item.seq
+        firsts.append(len(input_ids))
         input_ids += seq.tokens[item.start : item.start + item.count]
         input_ids += item.draft
         positions += item.positions
         for group, table in enumerate(seq.tables):
             slots[group] += [table[p // page_size] * page_size + p % page_size for p in item.positions]
-        seq_lens.append(end)
-        query_start.append(query_start[-1] + item.width)
+    seq_lens = [start + count for _, start, count in rows]
+    query_start = list(itertools.accumulate((count for _, _, count in rows), initial=0))
     prefill = [
-        (row, p) for row, item in enumerate(ordered[num_decodes:], num_decodes) for p in item.positions
+        (row, p)
+        for row, (_, start, count) in enumerate(rows[num_decodes:], num_decodes)
+        for p in range(start, start + count)
     ]
     prefill_seq, prefill_pos = [row for row, _ in prefill], [p for _, p in prefill]
     width = max(item.seq.num_pages for item in ordered)
     tables = [
-        [page for item in ordered for page in item.seq.tables[group] + [0] * (width - item.seq.num_pages)]
+        [page for item, _, _ in rows for page in item.seq.tables[group] + [0] * (width - item.seq.num_pages)]
         for group in range(groups)
     ]
-    sampling = [(i, item) for i, item in enumerate(ordered) if item.samples]
-    scored, scored_at = _prompt_positions(ordered, query_start)
+    sampling = [(first, item) for first, item in zip(firsts, ordered, strict=True) if item.samples]
+    scored, scored_at = _prompt_positions(ordered, firsts)
+    # A sampling item's rows of logits: its last new token's, then each drafted token's.
     logits_indices = [
-        row
-        for i, item in sampling
-        for row in range(query_start[i + 1] - 1 - len(item.draft), query_start[i + 1])
+        token for first, item in sampling for token in range(first + item.count - 1, first + item.width)
     ]
     logits_indices += scored_at
     # One copy to the device for the whole step; each part is a view of it.
@@ -93,7 +106,7 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     metas = tuple(
         AttentionMetadata(
             slot_mapping=views[7 + group],
-            block_tables=views[7 + groups + group].view(len(ordered), width),
+            block_tables=views[7 + groups + group].view(len(rows), width),
             seq_lens=views[2],
             query_start=views[3],
             num_decodes=num_decodes,
@@ -107,6 +120,7 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     )
     return ForwardBatch(
         items=ordered,
+        firsts=firsts,
         input_ids=views[0],
         positions=views[1],
         metas=metas,
@@ -117,14 +131,14 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
 
 
 def _prompt_positions(
-    ordered: list[ScheduledSeq], query_start: list[int]
+    ordered: list[ScheduledSeq], firsts: list[int]
 ) -> tuple[list[tuple[Sequence, int]], list[int]]:
     """The prompt positions whose logits score the next prompt token, for sequences that asked for the
-    prompt's log-probabilities, and their indices in the batch. Position p scores token p + 1; positions
-    scored before a preemption are not scored again."""
+    prompt's log-probabilities, and their indices in the batch (firsts: each item's first token's). Position
+    p scores token p + 1; positions scored before a preemption are not scored again."""
     scored: list[tuple[Sequence, int]] = []
     indices: list[int] = []
-    for i, item in enumerate(ordered):
+    for first, item in zip(firsts, ordered, strict=True):
         seq = item.seq
         if not seq.wants_prompt_logprobs:
             continue
@@ -132,7 +146,7 @@ def _prompt_positions(
             max(item.start, len(seq.prompt_logprobs)), min(item.start + item.count, seq.prompt_len - 1)
         ):
             scored.append((seq, seq.tokens[position + 1]))
-            indices.append(query_start[i] + position - item.start)
+            indices.append(first + position - item.start)
     return scored, indices
 
 

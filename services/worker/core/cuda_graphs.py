@@ -67,7 +67,7 @@ class DecodeGraphs:
             not self._graphs
             or meta.num_decodes != seqs
             or seqs > self.sizes[-1]
-            or len(batch.sampling) != seqs
+            or batch.logits_indices.shape[0] != seqs  # every row samples: a draft's rows are decodes too
         ):
             return None
         size = next(size for size in self.sizes if size >= seqs)

@@ -141,12 +141,12 @@ class ModelRunner:
 
 
 def _take_pending_tokens(batch: ForwardBatch, previous: StepInFlight) -> None:
-    """Fill the batch's pending input tokens, on the device, from the previous step's draw: a decode whose
-    token that step sampled (decodes come first in a batch, one token each)."""
+    """Fill the batch's pending input tokens, on the device, from the previous step's draw: a decode's
+    whose token that step sampled."""
     rows = {id(seq): row for seq, row in zip(previous.sampled, previous.first_rows, strict=True)}
     pending = [
-        (i, rows[id(item.seq)])
-        for i, item in enumerate(batch.items[: batch.meta.num_decodes])
+        (first, rows[id(item.seq)])
+        for item, first in zip(batch.items, batch.firsts, strict=True)
         if item.seq.tokens[item.start] == PENDING
     ]
     if pending:

@@ -13,7 +13,9 @@ device: when only pages that a step in flight may still write would let a sequen
 (`Plan.awaits_device`), and the engine settles before it schedules again. `postprocess`, once its tokens
 are back, publishes the new full pages to the prefix cache, fills the placeholders, and finishes a sequence
 that meets a stop rule (`_stop_reason`): its pages go back at once, or when the steps in flight that
-may write them end.
+may write them end. With a proposer (`speculation`), a decode whose tokens are all known carries a draft of
+the tokens likely to follow, run in the same step; postprocess keeps the drafted tokens the draw agrees
+with, one by one through the stop rules, and gives back the pages held for the rest.
 """
 
 from __future__ import annotations
