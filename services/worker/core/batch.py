@@ -57,18 +57,7 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
     ]
     groups = len(ordered[0].seq.tables)
     num_decodes = sum(count == 1 for _, _, count in rows)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[list[int]] = [[] for _ in range(groups)]
-    firsts: list[int] = []  # each item's first token in the batch
-    for item in ordered:
-        seq = item.seq
-        firsts.append(len(input_ids))
-        input_ids += seq.tokens[item.start : item.start + item.count]
-        input_ids += item.draft
-        positions += item.positions
-        for group, table in enumerate(seq.tables):
-            slots[group] += [table[p // page_size] * page_size + p % page_size for p in item.positions]
+    input_ids, positions, slots, firsts = _tokens(ordered, page_size, groups)
     seq_lens = [start + count for _, start, count in rows]
     query_start = list(itertools.accumulate((count for _, _, count in rows), initial=0))
     prefill = [
@@ -128,6 +117,26 @@ def build_batch(items: list[ScheduledSeq], page_size: int, device: torch.device)
         sampling=[item for _, item in sampling],
         scored=scored,
     )
+
+
+def _tokens(
+    ordered: list[ScheduledSeq], page_size: int, groups: int
+) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """The items' tokens (new ones, then drafted ones), their positions, each group's slots for their KV,
+    and each item's first token in the batch."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(groups)]
+    firsts: list[int] = []
+    for item in ordered:
+        seq = item.seq
+        firsts.append(len(input_ids))
+        input_ids += seq.tokens[item.start : item.start + item.count]
+        input_ids += item.draft
+        positions += item.positions
+        for group, table in enumerate(seq.tables):
+            slots[group] += [table[p // page_size] * page_size + p % page_size for p in item.positions]
+    return input_ids, positions, slots, firsts
 
 
 def _prompt_positions(
