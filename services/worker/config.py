@@ -19,6 +19,9 @@ from services.worker.models.quantized import Quantization
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str | None = setting(None, "a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    draft_model: str | None = setting(
+        None, "with --speculative draft: the draft model's folder, a smaller model of the same tokenizer"
+    )
     model_id: str | None = setting(None, "the prefix cache's name for the model (default: from the folder)")
     name: str = setting("worker", "this worker's name in logs and statistics")
     address: str = setting("127.0.0.1:50053", "host:port or unix:/path to serve on")
@@ -73,6 +76,8 @@ class WorkerConfig:
             raise ValueError("the CuPy kernels need --device cuda")
         if self.kernels == "cpu" and self.device != "cpu":
             raise ValueError("the C++ CPU kernels need --device cpu")
+        if (self.engine.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft and --draft-model DIR go together")
 
     @property
     def daemon_address(self) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
+from memory_daemon.shape import PoolShape
 from pagedserve.kernels import KernelBackend, TorchBackend
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
@@ -25,6 +26,7 @@ from pagedserve.worker.v1 import worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
 from services.worker.core.cuda_graphs import DecodeGraphs
+from services.worker.core.draft_model import DraftModelProposer
 from services.worker.core.engine import EngineCore
 from services.worker.core.grammar import Grammars
 from services.worker.core.loop import Engine
@@ -32,9 +34,8 @@ from services.worker.kv.base import KVCache
 from services.worker.kv.local import LocalKVCache
 from services.worker.kv.remote import DaemonError, DaemonKVCache
 from services.worker.metrics import instrument
-from services.worker.models import load_model
+from services.worker.models import CausalLM, ModelRefused, load_model
 from services.worker.models.quantized import int8_activations
-from services.worker.models.spec import ModelSpec
 from services.worker.service import SERVICE_NAME, WorkerService, worker_info
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class LoadedWorker:
     model_dir: Path
     model_id: str
     attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
+    attach_draft: Callable[[], KVCache] | None  # the same for the draft model's pool (--draft-model)
     dtype: str  # the model's and the pool's, e.g. "bfloat16"
 
 
@@ -92,25 +94,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(dtype).removeprefix("torch.")
     shape = spec.pool_shape(dtype_name, config.page_size)  # type: ignore[arg-type]
-    attach = None
-    if config.daemon_address is None:
-        kv: KVCache = LocalKVCache(
-            shape, config.kv_memory_bytes // shape.page_bytes, model_id=model_id, device=device
-        )
-    else:
-        attach = functools.partial(
-            DaemonKVCache,
-            config.daemon_address,
-            model_id=model_id,
-            shape=shape,
-            worker_name=config.name,
-            memory_bytes=config.kv_memory_bytes,
-            device=config.device,
-            secret=config.secret,
-            on_lost=on_lost,
-            shm_dir=config.shm_dir,
-        )
-        kv = attach()
+    kv, attach = _pool(config, shape, model_id, config.kv_memory_bytes, config.name, on_lost)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
     weights = dtype_name
@@ -128,48 +112,123 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     elif device.type == "cuda" and config.cuda_graphs:
         graphs = DecodeGraphs(model, kv.kv, config.engine.max_num_seqs, config.page_size)
         graphs.capture()
-    engine = Engine(EngineCore(model, kv, config.engine, graphs, _grammars(model_dir, spec)))
-    return LoadedWorker(engine, model_dir, model_id, attach, dtype_name)
+    tokenizer = _tokenizer(model_dir)
+    proposer, attach_draft = None, None
+    if config.draft_model is not None:
+        proposer, attach_draft = _load_draft(config, model, tokenizer, kv.num_pages, backend)
+    grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids) if tokenizer is not None else None
+    engine = Engine(EngineCore(model, kv, config.engine, graphs, grammars, proposer))
+    return LoadedWorker(engine, model_dir, model_id, attach, attach_draft, dtype_name)
 
 
-def _grammars(model_dir: Path, spec: ModelSpec) -> Grammars | None:
-    """Structured outputs' compiler for the model's tokenizer; None (they are refused) without a tokenizer."""
+def _pool(
+    config: WorkerConfig,
+    shape: PoolShape,
+    model_id: str,
+    memory_bytes: int,
+    name: str,
+    on_lost: Callable[[], None] | None,
+) -> tuple[KVCache, Callable[[], KVCache] | None]:
+    """A KV pool of this shape, and how to lease it anew: the daemon's, or (without one) in-process."""
+    if config.daemon_address is None:
+        device = torch.device(config.device)
+        return LocalKVCache(shape, memory_bytes // shape.page_bytes, model_id=model_id, device=device), None
+    attach = functools.partial(
+        DaemonKVCache,
+        config.daemon_address,
+        model_id=model_id,
+        shape=shape,
+        worker_name=name,
+        memory_bytes=memory_bytes,
+        device=config.device,
+        secret=config.secret,
+        on_lost=on_lost,
+        shm_dir=config.shm_dir,
+    )
+    return attach(), attach
+
+
+def _load_draft(
+    config: WorkerConfig,
+    target: CausalLM,
+    tokenizer: PreTrainedTokenizerFast | None,
+    num_pages: int,
+    backend: KernelBackend,
+) -> tuple[DraftModelProposer, Callable[[], KVCache] | None]:
+    """--draft-model: the draft model, loaded as the target is (dtype, device, quantization), checked to
+    share its tokenizer, and its pool: as many pages as the target's, of its own shape, under its own lease
+    (its name is the worker's with /draft). The target's lease alone reports the daemon's loss."""
+    draft_dir = resolve_model(config.draft_model)
+    draft_tokenizer = _tokenizer(draft_dir)
+    if tokenizer is None or draft_tokenizer is None or tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ModelRefused(
+            f"the draft model {draft_dir} must have the target model's tokenizer: a draft's token ids are "
+            "the target's"
+        )
+    model = load_model(
+        draft_dir, dtype=target.dtype, device=target.device, backend=backend, quantization=config.quantization
+    )
+    shape = model.spec.pool_shape(str(target.dtype).removeprefix("torch."), config.page_size)  # type: ignore[arg-type]
+    kv, attach = _pool(
+        config, shape, model_identity(draft_dir), num_pages * shape.page_bytes, f"{config.name}/draft", None
+    )
+    log.info(
+        "draft model %s (%.0fM parameters): %d tokens a draft; KV pool of %d pages",
+        *(draft_dir, model.spec.num_parameters / 1e6, config.engine.num_speculative_tokens, kv.num_pages - 1),
+    )
+    engine = config.engine
+    proposer = DraftModelProposer(
+        model, kv, engine.num_speculative_tokens, engine.max_batched_tokens, target.spec.vocab_size
+    )
+    return proposer, attach
+
+
+def _tokenizer(model_dir: Path) -> PreTrainedTokenizerFast | None:
+    """The model's tokenizer; None (structured outputs are refused, and a draft model) without one."""
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         log.warning("no structured outputs: %s has no usable tokenizer (%s)", model_dir, exc)
         return None
-    return Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
 
 
 async def keep_attached(
     engine: Engine,
-    attach: Callable[[], KVCache],
+    loaded: LoadedWorker,
     lost: asyncio.Event,
     refresh: Callable[[], Awaitable[None]],
 ) -> None:
     """When the daemon goes away, fail what runs (UNAVAILABLE) and report NOT_SERVING, then lease anew once
-    it is back. refresh tells health and the frontends each change."""
+    it is back (the draft model's pool too). refresh tells health and the frontends each change."""
+    assert loaded.attach is not None
     while True:
         await lost.wait()
         lost.clear()
         log.warning("the memory daemon went away: failing running requests, waiting to re-attach")
         await asyncio.wrap_future(engine.suspend("the KV memory daemon went away; retry"))
         await refresh()
-        old, refused = engine.kv, ""
-        while True:
-            try:
-                kv = await asyncio.to_thread(attach)
-                break
-            except DaemonError as exc:
-                if exc.rpc_code.name != "UNAVAILABLE":  # refused, not just gone: say why, once
-                    log.log(logging.WARNING if str(exc) != refused else logging.DEBUG, "%s", exc)
-                    refused = str(exc)
-                await asyncio.sleep(0.5)  # the daemon is not back yet
-        await asyncio.wrap_future(engine.resume(kv))
-        await asyncio.to_thread(old.close)
+        old = [engine.kv, engine.draft_kv]
+        kv = await _lease_again(loaded.attach)
+        draft_kv = await _lease_again(loaded.attach_draft) if loaded.attach_draft is not None else None
+        await asyncio.wrap_future(engine.resume(kv, draft_kv))
+        for pool in old:
+            if pool is not None:
+                await asyncio.to_thread(pool.close)
         await refresh()
         log.info("re-attached to the memory daemon: %d pages", kv.num_pages - 1)
+
+
+async def _lease_again(attach: Callable[[], KVCache]) -> KVCache:
+    """A new lease, once the daemon is back."""
+    refused = ""
+    while True:
+        try:
+            return await asyncio.to_thread(attach)
+        except DaemonError as exc:
+            if exc.rpc_code.name != "UNAVAILABLE":  # refused, not just gone: say why, once
+                log.log(logging.WARNING if str(exc) != refused else logging.DEBUG, "%s", exc)
+                refused = str(exc)
+            await asyncio.sleep(0.5)  # the daemon is not back yet
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -213,7 +272,7 @@ async def serve_loaded(
         service.health = running.health
         heartbeat = asyncio.create_task(service.beat(), name="heartbeat")
         if loaded.attach is not None:
-            reattach = asyncio.create_task(keep_attached(engine, loaded.attach, lost, service.refresh))
+            reattach = asyncio.create_task(keep_attached(engine, loaded, lost, service.refresh))
         stop = stop_signal()
         log.info("worker %r serving on %s", config.name, running.address)
         await stop.wait()
@@ -224,7 +283,9 @@ async def serve_loaded(
             if task is not None:
                 task.cancel()
         await asyncio.to_thread(engine.stop)
-        engine.kv.close()
+        for pool in (engine.kv, engine.draft_kv):
+            if pool is not None:
+                pool.close()
 
 
 def run(config: WorkerConfig) -> int:
@@ -232,7 +293,7 @@ def run(config: WorkerConfig) -> int:
     setup_logging(f"worker[{config.name}]", config.log_level)
     try:
         asyncio.run(serve(config))
-    except DaemonError as exc:  # at start: the daemon refused, or is not there
+    except (DaemonError, ModelRefused) as exc:  # at start: the daemon refused or is not there, or the model
         log.error("cannot start: %s", exc)
         return 1
     return 0

@@ -31,10 +31,12 @@ import torch
 from pagedserve.kernels import TorchBackend
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
+from services.worker.core.draft_model import DraftModelProposer
 from services.worker.core.engine import EngineConfig, EngineCore
 from services.worker.core.sampler import draw
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.core.speculation import MAX_PAUSE, Drafting, NgramProposer, lookup
+from services.worker.kv.base import KVCache
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM, load_model
 from tests.models import VOCAB, make_model
@@ -53,23 +55,26 @@ def test_the_longest_suffix_proposes_what_followed_its_latest_occurrence() -> No
     assert lookup(np.array([5, 6]), 4) == ()
 
 
-def test_a_proposer_pauses_longer_after_each_draft_that_gains_nothing() -> None:
+def test_the_ngram_proposer_drafts_within_its_limits() -> None:
     proposer = NgramProposer(num_tokens=3)
-    tokens = [1, 2, 3, 4, 5, 1, 2]
+    seq = Sequence("k", EngineRequest((1, 2, 3, 4, 5, 1, 2), SamplingOptions()), 0)
+    assert proposer.propose([(seq, 8), (seq, 2), (seq, 0)]) == [(3, 4, 5), (3, 4), ()]  # num_tokens caps it
+
+
+def test_a_sequence_pauses_longer_after_each_draft_that_gains_nothing() -> None:
     drafting = Drafting()
-    assert proposer.propose(tokens, drafting, limit=8) == (3, 4, 5)  # num_tokens caps it
-    assert proposer.propose(tokens, drafting, limit=2) == (3, 4)
+    assert not drafting.waits()
     pauses = []
     for _ in range(7):
-        proposer.record(drafting, accepted=0)
+        drafting.record(accepted=0)
         pauses.append(drafting.pause)
         skipped = 0
-        while proposer.propose(tokens, drafting, limit=3) == ():
+        while drafting.waits():
             skipped += 1
         assert skipped == pauses[-1]
     assert pauses == [1, 2, 4, 8, 16, MAX_PAUSE, MAX_PAUSE]
-    proposer.record(drafting, accepted=1)  # a gain resets it
-    proposer.record(drafting, accepted=0)
+    drafting.record(accepted=1)  # a gain resets it
+    drafting.record(accepted=0)
     assert drafting.pause == 1
 
 
@@ -91,10 +96,15 @@ class Oracle:
         self.num_tokens = num_tokens
         self.spoils = True
         self.drafted: list[tuple[int, ...]] = []
-        self.recorded: list[int] = []
         self.asked: set[tuple[int, ...]] = set()  # the prompts it drafted for
 
-    def propose(self, tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[tuple[int, ...]]:
+        return [self.draft(seq.tokens, limit) if limit > 0 else () for seq, limit in requests]
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def draft(self, tokens: list[int], limit: int) -> tuple[int, ...]:
         prompt = next(p for p in self.references if tuple(tokens[: len(p)]) == p)
         self.asked.add(prompt)
         done = len(tokens) - len(prompt)
@@ -103,9 +113,6 @@ class Oracle:
             draft[1] = (draft[1] + 1) % VOCAB
         self.drafted.append(tuple(draft))
         return tuple(draft)
-
-    def record(self, drafting: Drafting, accepted: int) -> None:
-        self.recorded.append(accepted)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +128,22 @@ def make_engine(
     scheduling: Literal["on", "off"] = "off",
     num_pages: int = 128,
     max_batched_tokens: int = 32,
+    draft: CausalLM | None = None,
+    draft_pages: int = 128,
 ) -> EngineCore:
+    """draft: a draft model (--speculative draft), with a pool of draft_pages."""
     kv = LocalKVCache(model.spec.pool_shape("float32", 4), num_pages)
     config = EngineConfig(
         max_batched_tokens=max_batched_tokens,
         max_num_seqs=8,
         async_scheduling=scheduling,
-        speculative=speculative,
+        speculative="draft" if draft is not None else speculative,
     )
-    return EngineCore(model, kv, config)
+    if draft is None:
+        return EngineCore(model, kv, config)
+    draft_kv = LocalKVCache(draft.spec.pool_shape("float32", 4), draft_pages)
+    proposer = DraftModelProposer(draft, draft_kv, 4, max_batched_tokens, model.spec.vocab_size)
+    return EngineCore(model, kv, config, proposer=proposer)
 
 
 def generate(
@@ -205,10 +219,9 @@ def test_drafts_give_the_tokens_of_speculation_off_in_fewer_steps(
     scheduler = engine.scheduler
     # Each kept draft gains its length; each spoiled one, the one token before the spoiled one.
     assert scheduler.drafts_checked == len(oracle.drafted) > 10
-    assert oracle.recorded == [
+    assert scheduler.accepted_tokens == sum(
         len(d) if i % 2 == 0 or len(d) < 2 else 1 for i, d in enumerate(oracle.drafted)
-    ]
-    assert scheduler.accepted_tokens == sum(oracle.recorded)
+    )
     assert scheduler.draft_tokens == sum(map(len, oracle.drafted))
     assert engine.steps < off.steps - 3
     assert engine.generation_tokens == off.generation_tokens == len(PROMPTS) * MAX_TOKENS
@@ -246,11 +259,11 @@ def test_min_tokens_holds_an_end_back_at_each_drafted_position(model: CausalLM) 
     engine = make_engine(model, speculative="ngram")
     oracle = with_oracle(engine, reference, [PROMPTS[2]])
 
-    def eager_end(tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
-        draft = Oracle.propose(oracle, tokens, drafting, limit)
+    def eager_end(tokens: list[int], limit: int) -> tuple[int, ...]:
+        draft = Oracle.draft(oracle, tokens, limit)
         return (eos, *draft[1:]) if draft else draft  # an EOS at the first drafted position, always
 
-    oracle.propose = eager_end  # type: ignore[method-assign]
+    oracle.draft = eager_end  # type: ignore[method-assign]
     assert_same(summary(generate(engine, options, [PROMPTS[2]])), reference)
     assert engine.scheduler.drafts_checked > 0
 
@@ -273,18 +286,12 @@ def test_rejected_tokens_give_their_pages_back_at_once(model: CausalLM) -> None:
     prompt = PROMPTS[0]
     engine = make_engine(model, speculative="ngram")
     wrong = iter(itertools.cycle([(7,) * 12]))
-    drafted: list[int] = []
 
-    class Wrong:
-        num_tokens = 12
-
-        def propose(self, tokens: list[int], drafting: Drafting, limit: int) -> tuple[int, ...]:
+    class Wrong(Oracle):
+        def draft(self, tokens: list[int], limit: int) -> tuple[int, ...]:
             return next(wrong)[:limit]
 
-        def record(self, drafting: Drafting, accepted: int) -> None:
-            drafted.append(accepted)
-
-    engine.scheduler.proposer = Wrong()  # type: ignore[assignment]
+    engine.scheduler.proposer = Wrong({}, num_tokens=12)
     options = SamplingOptions(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logit_bias=((7, -100.0),)
     )
@@ -294,7 +301,8 @@ def test_rejected_tokens_give_their_pages_back_at_once(model: CausalLM) -> None:
     assert seq.num_tokens == 6 and seq.num_pages == 2
     held = engine.kv.usage().in_use_pages
     engine.step()  # a draft of 12, none kept (7 is never drawn)
-    assert drafted == [0] and seq.num_tokens == 7 and seq.num_pages == 2
+    assert engine.scheduler.accepted_tokens == 0 and seq.drafting.failures == 1
+    assert seq.num_tokens == 7 and seq.num_pages == 2
     assert engine.kv.usage().in_use_pages == held
     engine.run_until_done()
     assert_pages_back(engine.kv)
@@ -391,6 +399,116 @@ def test_a_drafted_row_draws_as_the_step_after_its_draft_would(model: CausalLM) 
         assert got[offset] == alone.samples().token_ids[0], f"row {offset}"
     without = draw(logits, rows, frozenset(model.spec.eos_token_ids)).samples().token_ids
     assert without != got  # the prefixes matter here
+
+
+# The draft model -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> CausalLM:
+    """A draft of its own: one layer, other weights, the same vocabulary; it rarely agrees with `model`."""
+    folder = make_model("llama", tmp_path_factory.mktemp("small"), seed=5, num_hidden_layers=1)
+    return load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend())
+
+
+def assert_draft_pages_back(kv: KVCache) -> None:
+    """No shadow holds a page of the draft model's pool. (It publishes none, so the pool's owner hears of
+    its idle pages only at its next lease: its lease's count of them may lag.)"""
+    usage = kv.usage()
+    assert (usage.in_use_pages, usage.referenced_pages) == (0, 0), usage
+    assert isinstance(kv, LocalKVCache)
+    kv.ledger.check_invariants()
+
+
+@pytest.mark.parametrize("scheduling", ["off", "on"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_draft_model_gives_the_tokens_of_speculation_off(
+    model: CausalLM, kind: str, scheduling: str
+) -> None:
+    """The target model drafting for itself: its greedy drafts are its own greedy tokens, so a greedy
+    request keeps every drafted token (a 40-token prompt is caught up in chunks of the step's budget, 32);
+    sampled ones keep few. Every page of both pools is back at the end."""
+    off = make_engine(model, scheduling=scheduling)  # type: ignore[arg-type]
+    reference = summary(generate(off, KINDS[kind]))
+    engine = make_engine(model, draft=model, scheduling=scheduling)  # type: ignore[arg-type]
+    assert_same(summary(generate(engine, KINDS[kind])), reference)
+    scheduler, draft = engine.scheduler, engine.draft
+    assert draft is not None and scheduler.drafts_checked > 5
+    if kind in ("greedy", "logprobs"):
+        assert scheduler.accepted_tokens == scheduler.draft_tokens
+        assert engine.steps < off.steps / 2
+    else:  # sampled from the random model's flat distributions: its greedy drafts seldom match
+        assert scheduler.accepted_tokens < scheduler.draft_tokens
+    assert engine.generation_tokens == off.generation_tokens
+    assert_draft_pages_back(draft.kv)
+
+
+def test_a_draft_model_that_disagrees_changes_nothing_but_the_steps(
+    model: CausalLM, small_model: CausalLM
+) -> None:
+    """Another model's drafts, mostly wrong, through preemption in a small pool and a draft pool too small
+    for every sequence (those without pages go without drafts): the output is still speculation-off's, and
+    drafts that gain nothing pause."""
+    prompts = [*PROMPTS, [5 + (i * 17) % (VOCAB - 9) for i in range(70)]]
+    options = [KINDS["greedy"], KINDS["seeded"], KINDS["logprobs"], KINDS["logit_bias"]]
+    off = make_engine(model, num_pages=30)
+    reference = summary(generate(off, options, prompts))
+    engine = make_engine(model, draft=small_model, num_pages=30, draft_pages=30)
+    assert_same(summary(generate(engine, options, prompts)), reference)
+    scheduler = engine.scheduler
+    assert scheduler.preemptions > 0 and scheduler.drafts_checked > 0
+    assert scheduler.accepted_tokens < scheduler.draft_tokens / 2
+    assert scheduler.drafts_checked < off.steps  # paused, not drafting at every step
+    assert engine.draft is not None
+    assert_draft_pages_back(engine.draft.kv)
+
+
+def test_the_draft_models_kv_follows_what_the_check_kept(model: CausalLM) -> None:
+    """Each step's drafts equal those of a fresh draft model that computes the sequence's tokens whole,
+    yet the draft model runs each position about once: after a check it keeps the KV of the draft's kept
+    tokens, and runs only what it lacks (the tokens from the first rejected one, and the sequence's last
+    one). The shadow's pages go back with the sequence."""
+    options = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logit_bias=((9, 2.5),))
+    engine = make_engine(model, draft=model)
+    draft = engine.draft
+    assert draft is not None
+    propose, run = draft.propose, draft._run
+    ran: list[int] = []  # each pass's tokens
+    catch_ups: list[int] = []  # each proposal's first pass's tokens
+
+    def checked(requests: list[tuple[Sequence, int]]) -> list[tuple[int, ...]]:
+        passes = len(ran)
+        drafts = propose(requests)
+        catch_ups.extend(ran[passes : passes + 1])  # none where no draft fits (max_tokens is near)
+        assert set(ran[passes + 1 :]) <= {1}
+        fresh = DraftModelProposer(model, LocalKVCache(draft.kv.shape, 64), 4, 4096, VOCAB)
+        assert fresh.propose(requests) == drafts
+        return drafts
+
+    def counted(items: list) -> list:
+        ran.extend(item.count for item in items)
+        return run(items)
+
+    draft.propose, draft._run = checked, counted  # type: ignore[method-assign]
+    seq = engine.new_sequence("r", EngineRequest(tuple(PROMPTS[1]), options))
+    engine.add(seq)
+    engine.run_until_done()
+    scheduler = engine.scheduler
+    assert 0 < scheduler.accepted_tokens < scheduler.draft_tokens  # the bias made some drafts miss
+    # The prompt and the first token, then at most the draft's last token and the token after it.
+    assert catch_ups[0] == len(PROMPTS[1]) + 1
+    assert max(catch_ups[1:]) == 2 and len(catch_ups) > 4
+    assert "r" not in draft._shadows
+    assert_draft_pages_back(draft.kv)
+
+
+def test_a_draft_model_needs_speculative_draft(model: CausalLM) -> None:
+    kv = LocalKVCache(model.spec.pool_shape("float32", 4), 16)
+    proposer = DraftModelProposer(model, kv, 4, 32, model.spec.vocab_size)
+    with pytest.raises(ValueError, match="--speculative draft"):
+        EngineCore(model, kv, EngineConfig(speculative="ngram"), proposer=proposer)
+    with pytest.raises(ValueError, match="--speculative draft"):
+        EngineCore(model, kv, EngineConfig(speculative="draft"))
 
 
 # The output distribution of unseeded sampling ---------------------------------------------------------------

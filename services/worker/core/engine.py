@@ -22,11 +22,12 @@ from pagedserve.plumbing.errors import FailedPrecondition, ResourceExhausted, St
 from pagedserve.plumbing.settings import between, check_settings, positive, setting
 from services.common.request import EngineRequest, ModelLimits, check_request
 from services.worker.core.cuda_graphs import DecodeGraphs
+from services.worker.core.draft_model import DraftModelProposer
 from services.worker.core.grammar import Grammars
 from services.worker.core.model_runner import ModelRunner, StepInFlight
 from services.worker.core.scheduler import Plan, Scheduler
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
-from services.worker.core.speculation import NgramProposer
+from services.worker.core.speculation import NgramProposer, Proposer
 from services.worker.kv.base import KVCache
 from services.worker.kv.groups import group_key
 from services.worker.models import CausalLM
@@ -48,10 +49,11 @@ class EngineConfig:
         "schedule and launch the next step while the device runs this one: auto is on for CUDA; on a CPU, "
         "where the model runs on the engine's own thread, it would only hold each token back a step",
     )
-    speculative: Literal["off", "ngram"] = setting(
+    speculative: Literal["off", "ngram", "draft"] = setting(
         "off",
         "speculative decoding: ngram drafts a decode's next tokens from earlier tokens of its own (prompt "
-        "lookup) and checks them in the decode's step; the tokens are the same as with off",
+        "lookup), draft has --draft-model draft them; the decode's step checks them, and the tokens are the "
+        "same as with off",
     )
     num_speculative_tokens: int = setting(
         4, "the longest draft --speculative checks in one step", check=between(1, 16)
@@ -69,9 +71,16 @@ class EngineCore:
         config: EngineConfig,
         graphs: DecodeGraphs | None = None,
         grammars: Grammars | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """proposer: with --speculative draft, the draft model's (`draft_model`); ngram's is made here."""
+        if (config.speculative == "draft") != (proposer is not None):
+            raise ValueError("a draft model's proposer goes with --speculative draft, and only with it")
+        if config.speculative == "ngram":
+            proposer = NgramProposer(config.num_speculative_tokens)
         self.model = model
         self.config = config
+        self.draft = proposer if isinstance(proposer, DraftModelProposer) else None
         self.grammars = grammars  # compiles structured outputs; None: the engine refuses them
         spec = model.spec
         self.scheduler = Scheduler(
@@ -82,7 +91,7 @@ class EngineCore:
             eos_token_ids=spec.eos_token_ids,
             max_model_len=spec.max_model_len,
             windows=spec.kv_groups.windows,
-            proposer=NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None,
+            proposer=proposer,
         )
         self.runner = ModelRunner(model, kv, graphs, config.overlap_grammar)
         self.limits = ModelLimits(spec.vocab_size, spec.max_model_len)
@@ -220,11 +229,14 @@ class EngineCore:
             outputs += self.step()
         return outputs
 
-    def rebind(self, kv: KVCache) -> None:
-        """Run on another pool; call with no request unfinished."""
+    def rebind(self, kv: KVCache, draft_kv: KVCache | None = None) -> None:
+        """Run on another pool (and the draft model on draft_kv); call with no request unfinished."""
         assert not self.has_unfinished(), "the requests on the old pool must be gone"
         self.scheduler.kv = kv
         self.runner.rebind(kv)
+        if self.draft is not None:
+            assert draft_kv is not None, "the draft model needs a pool too"
+            self.draft.rebind(draft_kv)
 
     def kv_slots(self) -> tuple[int, int]:
         """(allocated, used) token slots of the running sequences: fragmentation is 1 - used / allocated."""

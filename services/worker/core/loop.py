@@ -85,6 +85,11 @@ class Engine:
         """The pool the engine runs on (its usage takes its own lock)."""
         return self._core.kv
 
+    @property
+    def draft_kv(self) -> KVCache | None:
+        """The draft model's pool, with --speculative draft."""
+        return self._core.draft.kv if self._core.draft is not None else None
+
     def submit(self, key: Hashable, request: EngineRequest) -> None:
         """Check a request and queue it under key; its outputs carry key. Raises StatusError for a request the
         engine refuses, and Unavailable while the pool is out of reach."""
@@ -127,11 +132,12 @@ class Engine:
 
         return self._command(command)
 
-    def resume(self, kv: KVCache) -> Future[None]:
-        """Run on a new KV cache (the daemon came back): call after suspend."""
+    def resume(self, kv: KVCache, draft_kv: KVCache | None = None) -> Future[None]:
+        """Run on a new KV cache, and the draft model on draft_kv (the daemon came back): call after
+        suspend."""
 
         def command() -> list[RequestOutput]:
-            self._core.rebind(kv)
+            self._core.rebind(kv, draft_kv)
             self.suspended = None
             return []
 

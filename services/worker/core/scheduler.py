@@ -34,13 +34,14 @@ from services.worker.core.sequence import (
     Sequence,
     Status,
 )
+from services.worker.core.speculation import draft_all, fit_draft
 from services.worker.kv.base import KVCache
 from services.worker.kv.groups import group_key
 
 if TYPE_CHECKING:
     from services.worker.core.model_runner import StepInFlight
     from services.worker.core.sampler import Samples
-    from services.worker.core.speculation import NgramProposer
+    from services.worker.core.speculation import Proposer
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         max_model_len: int = 1 << 62,
         windows: tuple[int, ...] = (0,),
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """windows: each group of the model's layers' window (services.worker.kv.groups), 0 for full
         attention; a sequence has a block table per group, and a sliding group's pages wholly before its
@@ -225,8 +226,7 @@ class Scheduler:
             self.drafts_checked += 1
             self.draft_tokens += len(draft)
             self.accepted_tokens += len(tokens) - 1
-            if self.proposer is not None:
-                self.proposer.record(seq.drafting, len(tokens) - 1)
+            seq.drafting.record(len(tokens) - 1)
             if seq.status is Status.RUNNING:  # the pages held for the draft's rejected tokens go back
                 self._free(seq.trim_pages(-(-seq.num_tokens // self.kv.page_size)))
         return RequestOutput.of(seq, tokens, logprobs)
@@ -269,13 +269,15 @@ class Scheduler:
         self, scheduled: list[ScheduledSeq], ended: list[RequestOutput], budget: int
     ) -> int:
         """Schedule the running sequences, best rank first; returns the budget left."""
-        for seq in sorted(self.running, key=lambda s: s.rank):
+        ranked = sorted(self.running, key=lambda s: s.rank)
+        drafts = {} if self.proposer is None else draft_all(self.proposer, ranked, self.max_model_len)
+        for seq in ranked:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING or self._ends_in_flight(seq):
                 continue  # preempted for a better sequence this step, or its last token is on its way
             count = min(seq.num_tokens - seq.num_computed, budget)
-            draft = self._draft(seq, budget - count)
+            draft = fit_draft(seq, drafts.get(seq.key, ()), budget - count)
             if draft and self._reserve(seq, count + len(draft), protected=scheduled, may_preempt=False):
                 scheduled.append(ScheduledSeq(seq, seq.num_computed, count, draft))
                 budget -= count + len(draft)
@@ -290,23 +292,6 @@ class Scheduler:
             else:
                 self._preempt(seq)
         return budget
-
-    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """The proposer's draft for a decode whose tokens are all known, within `room` tokens of the step's
-        budget, the request's max_tokens and the context (a draft never pushes past either: the step gives
-        at most one token more than it)."""
-        if (
-            self.proposer is None
-            or seq.in_flight
-            or seq.num_tokens - seq.num_computed != 1
-            or not seq.speculates
-        ):
-            return ()
-        left = min(seq.prompt_len + seq.options.max_tokens, self.max_model_len) - seq.num_tokens
-        draft = self.proposer.propose(seq.tokens, seq.drafting, min(room, left - 1))
-        if seq.grammar is not None:  # only what its grammar allows: each drafted row is masked after it
-            draft = draft[: seq.grammar.allows(draft)]
-        return draft
 
     def would_draft(self, seqs: list[Sequence]) -> bool:
         """Whether the proposer would draft for any of these sequences once their last tokens are known."""
@@ -480,6 +465,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self._free(seq.held_pages)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         seq.reset()
 
     def _free(self, pages: list[int]) -> None:

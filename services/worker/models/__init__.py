@@ -7,7 +7,7 @@ where it differs; `registry` picks the family from the config.
 """
 
 from services.worker.models.decoder import CausalLM
-from services.worker.models.registry import SUPPORTED, load_model
+from services.worker.models.registry import SUPPORTED, ModelRefused, load_model
 from services.worker.models.spec import ModelSpec
 
-__all__ = ["SUPPORTED", "CausalLM", "ModelSpec", "load_model"]
+__all__ = ["SUPPORTED", "CausalLM", "ModelRefused", "ModelSpec", "load_model"]

@@ -41,18 +41,24 @@ BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in fam
 SUPPORTED = tuple(sorted(BY_MODEL_TYPE))
 
 
+class ModelRefused(ValueError):
+    """A model this worker will not serve as asked: the worker stops at start and says why."""
+
+
 def family_of(config: PretrainedConfig) -> type[CausalLM]:
-    """The family that runs config; ValueError, naming what is supported, when none does."""
+    """The family that runs config; ModelRefused, naming what is supported, when none does."""
     family = BY_MODEL_TYPE.get(config.model_type)
     if family is None:
-        raise ValueError(
+        raise ModelRefused(
             f"model_type {config.model_type!r} is not supported; pagedserve runs " + ", ".join(SUPPORTED)
         )
     heads = [
         name for name in getattr(config, "architectures", None) or [] if not name.endswith("ForCausalLM")
     ]
     if heads:
-        raise ValueError(f"{', '.join(heads)} is not a causal language model; pagedserve serves *ForCausalLM")
+        raise ModelRefused(
+            f"{', '.join(heads)} is not a causal language model; pagedserve serves *ForCausalLM"
+        )
     family.check(config)
     return family
 

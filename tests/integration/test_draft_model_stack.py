@@ -1,0 +1,97 @@
+"""A real stack on the default model with `--speculative draft --draft-model`, the default model drafting
+for itself: its greedy drafts are the target's own greedy tokens, so a greedy request keeps every drafted
+token, and a seeded one gets speculation-off's tokens too. The draft model's KV is a lease of its own on the
+daemon's pool, leased anew when the daemon restarts, and every page is back at the end. A draft model of
+another tokenizer, or one without `--speculative draft`, stops the worker with a message.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pagedserve.plumbing.rpc import wait_for_health
+from pagedserve.v1 import generation_pb2_grpc
+from services.common.default_model import default_model_dir
+from tests.clients import every_page_accounted, pool_counts
+from tests.integration.streams import joined
+from tests.integration.test_faults import pid_of
+from tests.integration.test_speculative_stack import SAMPLINGS, Stub, off_and_on, run
+from tests.models import make_model
+from tests.procs import REPO, Stack, module_stack
+from tests.waiting import wait_until
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    draft = str(default_model_dir())
+    with module_stack(
+        "--kv-memory",
+        "256MiB",
+        "--speculative",
+        "draft",
+        "--draft-model",
+        draft,
+        "--num-speculative-tokens",
+        "3",
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def stub(stack: Stack) -> Iterator[Stub]:
+    with grpc.insecure_channel(stack.address) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+@SAMPLINGS
+def test_the_draft_models_drafts_give_speculation_offs_tokens(
+    stack: Stack, stub: Stub, sampling: dict[str, Any]
+) -> None:
+    off_steps, on_steps, _, draft_tokens, accepted = off_and_on(stack, stub, 60, sampling)
+    if "logprobs" in sampling:  # the draft is the target: each of its greedy tokens is the target's
+        assert accepted == draft_tokens and on_steps < 0.4 * off_steps
+    leases = [worker.name for worker in pool_counts(stack.daemon_address).workers]
+    assert any(name.endswith("/draft") for name in leases), leases
+
+
+def worker(*flags: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "services.cli", "worker", "--kv", "local", *flags]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def test_speculative_draft_and_draft_model_go_together() -> None:
+    for flags in (["--speculative", "draft"], ["--draft-model", str(default_model_dir())]):
+        done = worker(*flags)
+        assert done.returncode == 2, done.stderr
+        assert "--speculative draft and --draft-model DIR go together" in done.stderr
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    other = make_model("llama", tmp_path / "other")
+    done = worker(
+        "--speculative", "draft", "--draft-model", str(other), "--address", f"unix:{tmp_path}/w.sock"
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot start: the draft model" in done.stderr
+    assert "must have the target model's tokenizer" in done.stderr
+
+
+def test_after_the_daemon_restarts_the_draft_model_leases_anew(stack: Stack, stub: Stub) -> None:
+    """The daemon is SIGKILLed and started again: the worker leases both pools anew, and drafts again."""
+    os.kill(pid_of(stack, "daemon"), signal.SIGKILL)
+    wait_until(lambda: "re-attached to the memory daemon" in stack.log(), 90, "the worker re-attaching")
+    wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
+    leases = [worker.name for worker in pool_counts(stack.daemon_address).workers]
+    assert any(name.endswith("/draft") for name in leases), leases
+    on, (_, drafts, draft_tokens, accepted) = run(stack, stub, max_tokens=30, temperature=0.0)
+    assert drafts > 0 and accepted == draft_tokens and len(joined(on)[1]) == 30
+    assert every_page_accounted(stack.daemon_address)
