@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,11 +42,11 @@ class StepInFlight:
     draw: Draw
     num_tokens: int  # tokens the forward pass ran
     scored: list[tuple[Sequence, TokenLogprob]]  # prompt tokens' log-probabilities, in prompt order
+    first_rows: list[int] = field(init=False)  # each sampled sequence's first row in the draw
 
-    @property
-    def first_rows(self) -> list[int]:
-        """Each sampled sequence's first row in the draw."""
-        return list(itertools.accumulate((1 + len(draft) for draft in self.drafts), initial=0))[:-1]
+    def __post_init__(self) -> None:
+        rows = itertools.accumulate((1 + len(draft) for draft in self.drafts), initial=0)
+        object.__setattr__(self, "first_rows", list(rows)[:-1])
 
     @property
     def needs_host(self) -> bool:
@@ -100,11 +100,13 @@ class ModelRunner:
         sampled = [item.seq for item in batch.sampling]
         drafts = [item.draft for item in batch.sampling]
         # A row for each token drawn: each sampled sequence's, then one after each token of its draft.
-        rows = [
-            (item.seq, item.draft[:offset])
-            for item in batch.sampling
-            for offset in range(1 + len(item.draft))
-        ]
+        rows = sampled
+        prefixes = None
+        if any(drafts):
+            rows = [item.seq for item in batch.sampling for _ in range(1 + len(item.draft))]
+            prefixes = [
+                item.draft[:offset] for item in batch.sampling for offset in range(1 + len(item.draft))
+            ]
         states = [seq.grammar for seq in sampled]
         fill = functools.partial(fill_masks, states, self.model.spec.vocab_size, drafts)
         grammars = any(state is not None for state in states)
@@ -115,14 +117,13 @@ class ModelRunner:
                 batch.input_ids, batch.positions, batch.metas, self.kv.kv, batch.logits_indices
             )
         masks = filling.result() if filling is not None else fill() if grammars else None
-        prefixes = [prefix for _, prefix in rows] if len(rows) > len(sampled) else None
         return StepInFlight(
             number,
             batch.items,
             [item.seq.epoch for item in batch.items],
             sampled,
             drafts,
-            draw(logits[: len(rows)], [seq for seq, _ in rows], self._eos, masks, prefixes),
+            draw(logits[: len(rows)], rows, self._eos, masks, prefixes),
             batch.num_tokens,
             _score_prompts(logits[len(rows) :], batch.scored),
         )
