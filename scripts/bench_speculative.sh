@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Speculative decoding on pagedserve bench's copy and chat workloads (real text through the chat template,
-# greedy), at concurrency 1, 4 and 16: a stack with --speculative off and one with --speculative ngram, and
-# vLLM's CPU build with its n-gram speculation ($VLLM_PYTHON, beside pagedserve, never its dependency), each
-# with 4 speculative tokens and n-grams of 2 to 4. Each server runs alone: started, loaded, stopped. Then the
-# table and the ratios against speculation off.
+# greedy), at concurrency 1, 4 and 16: a stack with --speculative off, one with --speculative ngram, one with
+# --speculative draft, and vLLM's CPU build with its n-gram speculation ($VLLM_PYTHON, beside pagedserve,
+# never its dependency), each with 4 speculative tokens and n-grams of 2 to 4. The draft model is the default
+# model itself: no smaller model of its tokenizer is at hand here, so this measures the draft model's cost
+# with (greedy) every draft kept. Each server runs alone: started, loaded, stopped. Then the table and the
+# ratios against speculation off.
 #
-#   scripts/bench_speculative.sh OUT [REQUESTS [SYSTEMS]]   (default: 16 requests a run; off ngram vllm-ngram)
+#   scripts/bench_speculative.sh OUT [REQUESTS [SYSTEMS]]
 #
-# SYSTEMS reruns some systems into OUT, and the table is made again from all three. vLLM runs with Intel's
+# The default: 16 requests a run, and the systems off ngram draft vllm-ngram.
+#
+# SYSTEMS reruns some systems into OUT, and the table is made again from all four. vLLM runs with Intel's
 # OpenMP preloaded where its build ships it, as its warning at start asks for speculative decoding on a CPU.
 #
 # Every system runs in bfloat16 (vLLM's CPU build runs nothing else well); pagedserve with int8 weights and
@@ -16,7 +20,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?OUT}
 requests=${2:-16}
-systems=${3:-off ngram vllm-ngram}
+systems=${3:-off ngram draft vllm-ngram}
 # shellcheck source=scripts/bench_servers.sh
 source "$here/scripts/bench_servers.sh"
 
@@ -43,6 +47,7 @@ for system in $systems; do
   case $system in
     off) one off --speculative off ;;
     ngram) one ngram --speculative ngram --num-speculative-tokens 4 ;;
+    draft) one draft --speculative draft --draft-model "$model" --num-speculative-tokens 4 ;;
     vllm-ngram)
       iomp=$(dirname "$vllm_python")/../lib/libiomp5.so
       LD_PRELOAD=$([ -f "$iomp" ] && echo "$iomp" || true) start_vllm vllm-ngram 2 --speculative-config \
@@ -57,7 +62,7 @@ import json, sys
 from pathlib import Path
 
 folder = Path(sys.argv[1])
-systems = ("off", "ngram", "vllm-ngram")
+systems = ("off", "ngram", "draft", "vllm-ngram")
 print("| workload | concurrency | system | TPOT p50 | out tok/s | vs off: TPOT p50 | vs off: tok/s |")
 print("|---|---|---|---|---|---|---|")
 for workload in ("copy", "chat"):
