@@ -1,8 +1,12 @@
 """A real stack on the default model with `--speculative draft --draft-model`, the default model drafting
-for itself: its greedy drafts are the target's own greedy tokens, so a greedy request keeps every drafted
-token, and a seeded one gets speculation-off's tokens too. The draft model's KV is a lease of its own on the
-daemon's pool, leased anew when the daemon restarts, and every page is back at the end. A draft model of
-another tokenizer, or one without `--speculative draft`, stops the worker with a message.
+for itself: greedy (with log-probabilities) and seeded requests get speculation-off's tokens, with drafted
+tokens kept. A draft pass costs a target step here, so the proposer may find that drafting does not pay and
+draft only to probe: how often it drafts depends on the machine's timing, which
+tests/unit/test_speculation.py fixes (and there, in float32, a self-draft's greedy drafts are all kept), so
+only the first request, and the first after a restart, must keep drafted tokens here. The
+draft model's KV is a lease of its own on the daemon's pool, leased anew when the daemon restarts, and every
+page is back at the end. A draft model of another tokenizer, or one without `--speculative draft`, stops the
+worker with a message.
 """
 
 from __future__ import annotations
@@ -56,9 +60,8 @@ def stub(stack: Stack) -> Iterator[Stub]:
 def test_the_draft_models_drafts_give_speculation_offs_tokens(
     stack: Stack, stub: Stub, sampling: dict[str, Any]
 ) -> None:
-    off_steps, on_steps, _, draft_tokens, accepted = off_and_on(stack, stub, 60, sampling)
-    if "logprobs" in sampling:  # the draft is the target: each of its greedy tokens is the target's
-        assert accepted == draft_tokens and on_steps < 0.4 * off_steps
+    # Drafts are kept for the first request (greedy): a proposer drafts before it has measured its pay.
+    off_and_on(stack, stub, 60, sampling, drafts_kept="logprobs" in sampling)
     leases = [worker.name for worker in pool_counts(stack.daemon_address).workers]
     assert any(name.endswith("/draft") for name in leases), leases
 
@@ -92,6 +95,6 @@ def test_after_the_daemon_restarts_the_draft_model_leases_anew(stack: Stack, stu
     wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
     leases = [worker.name for worker in pool_counts(stack.daemon_address).workers]
     assert any(name.endswith("/draft") for name in leases), leases
-    on, (_, drafts, draft_tokens, accepted) = run(stack, stub, max_tokens=30, temperature=0.0)
-    assert drafts > 0 and accepted == draft_tokens and len(joined(on)[1]) == 30
+    on, (_, drafts, _, accepted) = run(stack, stub, max_tokens=30, temperature=0.0)
+    assert drafts > 0 and accepted > 0 and len(joined(on)[1]) == 30  # a new pool: it measures anew
     assert every_page_accounted(stack.daemon_address)

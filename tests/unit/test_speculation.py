@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -31,7 +32,7 @@ import torch
 from pagedserve.kernels import TorchBackend
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
-from services.worker.core.draft_model import DraftModelProposer
+from services.worker.core.draft_model import PROBE_EVERY, DraftModelProposer, Payoff
 from services.worker.core.engine import EngineConfig, EngineCore
 from services.worker.core.sampler import draw
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
@@ -130,8 +131,10 @@ def make_engine(
     max_batched_tokens: int = 32,
     draft: CausalLM | None = None,
     draft_pages: int = 128,
+    clock: Callable[[], float] = lambda: 0.0,
 ) -> EngineCore:
-    """draft: a draft model (--speculative draft), with a pool of draft_pages."""
+    """draft: a draft model (--speculative draft), with a pool of draft_pages, timed by clock: by default
+    one that stands still, so that a step's tokens alone say whether drafting pays."""
     kv = LocalKVCache(model.spec.pool_shape("float32", 4), num_pages)
     config = EngineConfig(
         max_batched_tokens=max_batched_tokens,
@@ -142,7 +145,7 @@ def make_engine(
     if draft is None:
         return EngineCore(model, kv, config)
     draft_kv = LocalKVCache(draft.spec.pool_shape("float32", 4), draft_pages)
-    proposer = DraftModelProposer(draft, draft_kv, 4, max_batched_tokens, model.spec.vocab_size)
+    proposer = DraftModelProposer(draft, draft_kv, 4, max_batched_tokens, model.spec.vocab_size, clock)
     return EngineCore(model, kv, config, proposer=proposer)
 
 
@@ -472,7 +475,7 @@ def test_the_draft_models_kv_follows_what_the_check_kept(model: CausalLM) -> Non
     engine = make_engine(model, draft=model)
     draft = engine.draft
     assert draft is not None
-    propose, run = draft.propose, draft._run
+    propose, run = draft._draft, draft._run  # drafting itself, on the steps that draft
     ran: list[int] = []  # each pass's tokens
     catch_ups: list[int] = []  # each proposal's first pass's tokens
 
@@ -482,14 +485,14 @@ def test_the_draft_models_kv_follows_what_the_check_kept(model: CausalLM) -> Non
         catch_ups.extend(ran[passes : passes + 1])  # none where no draft fits (max_tokens is near)
         assert set(ran[passes + 1 :]) <= {1}
         fresh = DraftModelProposer(model, LocalKVCache(draft.kv.shape, 64), 4, 4096, VOCAB)
-        assert fresh.propose(requests) == drafts
+        assert fresh._draft(requests) == drafts
         return drafts
 
     def counted(items: list) -> list:
         ran.extend(item.count for item in items)
         return run(items)
 
-    draft.propose, draft._run = checked, counted  # type: ignore[method-assign]
+    draft._draft, draft._run = checked, counted  # type: ignore[method-assign]
     seq = engine.new_sequence("r", EngineRequest(tuple(PROMPTS[1]), options))
     engine.add(seq)
     engine.run_until_done()
@@ -500,6 +503,60 @@ def test_the_draft_models_kv_follows_what_the_check_kept(model: CausalLM) -> Non
     assert max(catch_ups[1:]) == 2 and len(catch_ups) > 4
     assert "r" not in draft._shadows
     assert_draft_pages_back(draft.kv)
+
+
+def test_payoff_takes_the_faster_way_and_probes_the_other_less_while_it_stays_behind() -> None:
+    payoff = Payoff()
+    assert payoff.drafts() is True  # unmeasured: tried first
+    payoff.measured(True, 4.0, 2.0)  # 2 tokens a second with drafts
+    assert payoff.drafts() is False
+    payoff.measured(False, 1.0, 1.0)  # 1 without
+    choices = []
+    for _ in range(PROBE_EVERY * 7):
+        choices.append(payoff.drafts())
+        payoff.measured(choices[-1], 4.0 if choices[-1] else 1.0, 2.0 if choices[-1] else 1.0)
+    probes = [step for step, drafted in enumerate(choices) if not drafted]
+    # Each probe (the same rates: the choice holds) doubles the wait for the next.
+    assert [b - a for a, b in itertools.pairwise(probes)] == [2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    assert payoff.probe_every == 8 * PROBE_EVERY
+    while payoff.drafts():  # the next probe, and the way without drafts is now the faster
+        payoff.measured(True, 4.0, 2.0)
+    payoff.measured(False, 10.0, 1.0)
+    assert payoff.drafts() is False and payoff.probe_every == PROBE_EVERY
+
+
+@pytest.mark.parametrize(("pass_cost", "pays"), [(0.1, True), (2.0, False)])
+def test_a_draft_model_drafts_only_while_it_pays(model: CausalLM, pass_cost: float, pays: bool) -> None:
+    """A clock on which a step costs 1 and each draft pass pass_cost: the target drafting for itself gains 5
+    tokens a drafted step (4 passes), so at 0.1 a pass drafting gives 5 / 1.4 tokens a unit of time against
+    1 without it, and at 2.0 it gives 5 / 9. The proposer drafts while that pays, and otherwise only probes
+    one step in PROBE_EVERY; the tokens are speculation-off's either way."""
+    options = SamplingOptions(max_tokens=60, temperature=0.0, ignore_eos=True)
+    reference = summary(generate(make_engine(model), options, [PROMPTS[0]]))
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0  # the proposer reads it once a step
+        return now[0]
+
+    engine = make_engine(model, draft=model, clock=clock)
+    draft = engine.draft
+    assert draft is not None
+    run = draft._run
+
+    def timed(items: list) -> list:
+        now[0] += pass_cost
+        return run(items)
+
+    draft._run = timed  # type: ignore[method-assign]
+    assert_same(summary(generate(engine, options, [PROMPTS[0]])), reference)
+    checked, steps = engine.scheduler.drafts_checked, engine.steps
+    if pays:
+        assert checked >= steps - 3 and draft.payoff.rates[True] > draft.payoff.rates[False]
+    else:
+        assert (
+            0 < checked <= 2 + steps // PROBE_EVERY and draft.payoff.rates[True] < draft.payoff.rates[False]
+        )
 
 
 def test_a_draft_model_needs_speculative_draft(model: CausalLM) -> None:
