@@ -101,7 +101,6 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
         self._groups = model.spec.kv_groups.count
         self._shadows: dict[Hashable, _Shadow] = {}
-        self.passes = 0  # forward passes run
         self.payoff = Payoff()
         self._clock = clock
         self._last: tuple[float, bool] | None = None  # when the last call began, and whether it drafted
@@ -203,6 +202,5 @@ class DraftModelProposer:
         logits = self.model.forward(
             batch.input_ids, batch.positions, batch.metas, self.kv.kv, batch.logits_indices
         )
-        self.passes += 1
         tokens = iter(logits[: len(batch.sampling), : self.vocab_size].argmax(dim=-1).tolist())
         return [(item, next(tokens) if item.samples else None) for item in batch.items]
