@@ -86,8 +86,8 @@ def main() -> None:
     for name, (ws, dtype) in columns.items():  # as the worker loads them, but the [N, K] column
         if name != "bfloat16 [N, K]":
             columns[name] = ([backend.prepare_linear(w, dtype) for w in ws], dtype)
-    packed = columns["int8, bfloat16 x"][0]
-    names = [*columns, "vpdpbusd only", "torch._int_mm W8A8"]
+    packed = [w for w in columns["int8, bfloat16 x"][0] if isinstance(w, PackedWeight)]
+    names = [*columns, *(["vpdpbusd only"] if packed else []), "torch._int_mm W8A8"]
     print(f"| rows | {' | '.join(f'{name} ms' for name in names)} |")
     print(f"|---|{'---|' * len(names)}")
     for rows in (int(r) for r in args.rows.split(",")):
@@ -96,8 +96,9 @@ def main() -> None:
         for ws, dtype in columns.values():
             x = {k: v.to(dtype) for k, v in inputs.items()}
             times.append(seconds(lambda ws=ws, x=x: [backend.linear(x[w.shape[1]], w) for w in ws]))
-        halved = {k: v.bfloat16() for k, v in inputs.items()}
-        times.append(seconds(lambda x=halved: [vpdpbusd(ops, x[w.shape[1]], w) for w in packed]))
+        if packed:  # where this CPU runs vpdpbusd
+            halved = {k: v.bfloat16() for k, v in inputs.items()}
+            times.append(seconds(lambda x=halved: [vpdpbusd(ops, x[w.shape[1]], w) for w in packed]))
         times.append(seconds(lambda inputs=inputs: [w8a8(inputs[q.shape[1]], q) for q in quantized]))
         print(f"| {rows} | {' | '.join(f'{t * 1e3:.1f}' for t in times)} |", flush=True)
 

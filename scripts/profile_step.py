@@ -42,6 +42,7 @@ PRECISIONS: dict[str, tuple[torch.dtype, Quantization]] = {
     "float32": (torch.float32, "none"),
     "bfloat16": (torch.bfloat16, "none"),
     "int8-bfloat16": (torch.bfloat16, "int8"),
+    "int8-float32": (torch.float32, "int8"),
 }
 STEPS = 10
 
