@@ -6,8 +6,9 @@ for the prefix index's events) and the payload's CRC-32, then the payload, the p
 pool's own layout. The file's name is a digest of fingerprint and key, so a lookup opens one name and a
 file renamed from another page's is refused.
 
-Nothing here is trusted because it is on disk. The folder is private to this user (0700, `private_folder`);
-a file is read only if it is a regular file (never through a symlink) with one link, of this user's, mode
+Nothing here is trusted because it is on disk. The folder is private to this user (0700), held open and
+reached only through its descriptor (`HeldFolder`, so it may lie in a volume whose root others can write); a
+file is read only if it is a regular file (never through a symlink) with one link, of this user's, mode
 0600, of the size its header says; its header must match its name and its payload its CRC. A file that
 fails any check is deleted and counted (`rejected`), never served. At start the folder's files are indexed
 from their headers alone (a restarted daemon serves them: warm restarts); payloads are checked when read.
@@ -20,7 +21,6 @@ keeps its file, so that evicting it again costs nothing.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from memory_daemon.prefix import MAX_KEY_BYTES
-from pagedserve.plumbing.private import private_folder, write_private_file
+from pagedserve.plumbing.private import HeldFolder
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class DiskTier:
     its file is written; a page removed meanwhile is never left on disk."""
 
     def __init__(self, folder: str | Path, capacity_bytes: int, *, background: bool = True) -> None:
-        self.folder = private_folder(folder)
+        self.folder = HeldFolder(folder)
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._size_of: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
@@ -237,7 +237,7 @@ class DiskTier:
             try:
                 self._write(name)
             except OSError as exc:  # a full disk, say: the page is dropped, the daemon goes on
-                log.warning("disk tier: could not write %s: %s", self.folder / name, exc)
+                log.warning("disk tier: could not write %s: %s", self.folder.path / name, exc)
                 with self._lock:
                     if self._pending.pop(name, None) is not None:
                         self._pending_bytes -= self._size_of.get(name, 0)
@@ -251,11 +251,10 @@ class DiskTier:
         if item is None:  # removed before its turn
             return
         data = _encode(*item)
-        write_private_file(self.folder / name, data)
+        self.folder.write(name, data)
         with self._lock:
             if self._pending.pop(name, None) is None:  # removed while it was written: so is its file
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.folder / name)
+                self.folder.unlink(name)
                 return
             self._pending_bytes -= len(data)
             self._counts["demotions"] += 1
@@ -264,14 +263,11 @@ class DiskTier:
     def _index_folder(self) -> None:
         """Index the files a daemon before this one left, oldest first, from their headers."""
         found = []
-        for entry in os.scandir(self.folder):
-            if entry.name.endswith(".partial"):  # a write that a crash cut short
-                os.unlink(entry.path)
-                continue
-            if not entry.name.endswith(SUFFIX):
-                continue
-            info = entry.stat(follow_symlinks=False)
-            found.append((info.st_mtime_ns, entry.name, info.st_size))
+        for name, info in self.folder.names():
+            if name.endswith(".partial"):  # a write that a crash cut short
+                self.folder.unlink(name)
+            elif name.endswith(SUFFIX):
+                found.append((info.st_mtime_ns, name, info.st_size))
         for _, name, size in sorted(found):
             header = self._header(name, size)
             if header is None:
@@ -288,26 +284,28 @@ class DiskTier:
             self._remove(next(iter(self._size_of)))
         if self._size_of:
             log.info(
-                "disk tier %s: %d pages from before (%d bytes)", self.folder, len(self._size_of), self._bytes
+                "disk tier %s: %d pages from before (%d bytes)",
+                self.folder.path,
+                len(self._size_of),
+                self._bytes,
             )
 
     def _header(self, name: str, size: int) -> bytes | None:
         """The file's first bytes, a header's worth; None if it fails the file checks (then it is deleted
         and counted)."""
-        data = _read_file(self.folder / name, size, _header_limit())
+        data = _read_file(self.folder, name, size, _header_limit())
         if isinstance(data, str):
             self._reject(name, data)
             return None
         return data
 
     def _reject(self, name: str, why: str) -> None:
-        log.warning("disk tier: deleting %s unread: %s", self.folder / name, why)
+        log.warning("disk tier: deleting %s unread: %s", self.folder.path / name, why)
         self._counts["rejected"] += 1
         if name in self._size_of:
             self._bytes -= self._size_of.pop(name)
         self._forget_identity(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.folder / name)
+        self.folder.unlink(name)
 
     def _remove(self, name: str) -> None:
         size = self._size_of.pop(name)
@@ -315,8 +313,7 @@ class DiskTier:
         self._forget_identity(name)
         if self._pending.pop(name, None) is not None:
             self._pending_bytes -= size  # the writer finds it gone, and writes nothing
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.folder / name)
+        self.folder.unlink(name)
 
     def _forget_identity(self, name: str) -> None:
         identity = self._identity.pop(name, None)
@@ -339,11 +336,11 @@ class Read(NamedTuple):
     seconds: float = 0.0
 
 
-def read_page(folder: Path, found: Located, owner: bytes, key: bytes) -> Read:
+def read_page(folder: HeldFolder, found: Located, owner: bytes, key: bytes) -> Read:
     """Read and check one page file; it touches no tier's state, so it runs on any thread (promotions read
     off the daemon's event loop), and its result goes to the tier's `settle`."""
     started = time.perf_counter()
-    data = _read_file(folder / found.name, found.size, found.size)
+    data = _read_file(folder, found.name, found.size, found.size)
     if data is None:
         return Read(found.name, None)
     if isinstance(data, str):
@@ -354,11 +351,11 @@ def read_page(folder: Path, found: Located, owner: bytes, key: bytes) -> Read:
     return Read(found.name, page, None, len(data), time.perf_counter() - started)
 
 
-def _read_file(path: Path, size: int, limit: int) -> bytes | str | None:
-    """Up to limit bytes of path if it passes the file checks (size: what the tier indexed), else why not;
-    None if it is gone."""
+def _read_file(folder: HeldFolder, name: str, size: int, limit: int) -> bytes | str | None:
+    """Up to limit bytes of the file if it passes the file checks (size: what the tier indexed), else why
+    not; None if it is gone."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = folder.open(name, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:  # a symlink (ELOOP), a fifo...

@@ -236,7 +236,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             for pool in self._pools.values():
                 if pool.ledger.tier is not None:
                     pool.ledger.keep_cached()
-            log.info("kept the pools' cached pages in %s: %s", self._disk.folder, self._disk.counts())
+            log.info("kept the pools' cached pages in %s: %s", self._disk.folder.path, self._disk.counts())
         for pool in self._pools.values():
             pool.storage.close()
         self._pools.clear()

@@ -8,6 +8,8 @@ only its owner (and root). So:
   a real folder, not a symlink, owned by this user, with no permission for group or others (0700), at the
   end of a path on which no other user controls a folder or a symlink (`check_ancestors`, which walks the
   path as given, one component at a time, and never resolves it first).
+- `HeldFolder` is a private folder kept open, every file in it reached through its descriptor, so that it
+  may lie below folders that others can write (a Kubernetes emptyDir's root is 0777): the disk tier's.
 - `write_private_file` writes a file there whole (a fresh name, then a rename), never through a symlink.
 - `check_socket_folder` is what a server checks before it listens on a unix socket, and
   `restrict_socket` makes the socket file 0600 once it is bound.
@@ -26,6 +28,7 @@ import os
 import socket
 import stat
 import struct
+import weakref
 from pathlib import Path
 
 from pagedserve.plumbing.errors import PermissionDenied
@@ -75,13 +78,23 @@ def check_folder(path: Path, *, private: bool) -> None:
         raise PermissionDenied(f"{path} is a symbolic link, not a folder")
     if not stat.S_ISDIR(info.st_mode):
         raise PermissionDenied(f"{path} is not a folder")
-    owners = {os.geteuid()} if private else trusted_uids()
-    if info.st_uid not in owners:
+    if private:
+        _check_private(info, path)
+        return
+    if info.st_uid not in trusted_uids():
         raise PermissionDenied(f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})")
-    if private and info.st_mode & _OTHERS:
-        raise PermissionDenied(f"{path} is open to others (mode {_mode(info)}); it must be 0700")
     if info.st_mode & _OTHERS_WRITE:
         raise PermissionDenied(f"{path} is writable by others (mode {_mode(info)})")
+
+
+def _check_private(info: os.stat_result, path: str | Path) -> None:
+    """info (of a folder) is this user's, 0700."""
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionDenied(f"{path} is not a folder")
+    if info.st_uid != os.geteuid():
+        raise PermissionDenied(f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})")
+    if info.st_mode & _OTHERS:
+        raise PermissionDenied(f"{path} is open to others (mode {_mode(info)}); it must be 0700")
 
 
 def private_folder(path: str | Path) -> Path:
@@ -94,22 +107,74 @@ def private_folder(path: str | Path) -> Path:
     return folder
 
 
-def write_private_file(path: Path, data: str | bytes) -> None:
+def write_private_file(path: Path, data: str | bytes, *, dir_fd: int | None = None) -> None:
     """Write path whole or not at all: a fresh file (O_EXCL, O_NOFOLLOW, mode 0600) renamed over it.
 
     A reader never sees half a file, and a symlink planted at either name is replaced, never followed. A
-    crash can leave the fresh file behind, named .NAME.PID.RANDOM.partial.
+    crash can leave the fresh file behind, named .NAME.PID.RANDOM.partial. dir_fd: path is a name in the
+    folder open there (`HeldFolder`).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     partial = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.partial")
-    fd = os.open(partial, flags, 0o600)
+    fd = os.open(partial, flags, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as file:
             file.write(data)
-        os.replace(partial, path)
+        os.replace(partial, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial, dir_fd=dir_fd)
         raise
+
+
+class HeldFolder:
+    """A folder of this user's, closed to everyone else (0700), made if missing, opened once and held:
+    every file in it is reached through its descriptor (`open`, `unlink`, `names`, `write`), never again
+    through the path.
+
+    So, unlike `private_folder`, it may lie below folders that others can write, without the sticky bit: a
+    Kubernetes emptyDir's root is 0777, and the Pod's user can change neither it nor its owner. Whoever
+    swaps or renames the path afterwards changes nothing for this process, and what it opened is checked
+    through the descriptor, not the path (a symlink, another user's folder, one open to others are
+    refused). Nothing above it needs trusting for that: no other user can write in a folder of this user's
+    that is 0700. What such a user can do is take the name away, so that the next start finds no folder
+    (and makes a new one) or theirs (and refuses it).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).absolute()
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.path, 0o700)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags)
+        except OSError as exc:  # ELOOP: a symlink; ENOTDIR: a file
+            raise PermissionDenied(f"{path} cannot be opened as a folder: {exc.strerror}") from None
+        try:
+            _check_private(os.fstat(fd), path)
+        except PermissionDenied:
+            os.close(fd)
+            raise
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+    def open(self, name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+
+    def unlink(self, name: str) -> None:
+        """Remove name, if it is there."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def names(self) -> list[tuple[str, os.stat_result]]:
+        """Each entry's name and lstat."""
+        with os.scandir(self.fd) as entries:
+            return [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+
+    def write(self, name: str, data: bytes) -> None:
+        """As `write_private_file`, in this folder."""
+        write_private_file(Path(name), data, dir_fd=self.fd)
 
 
 def check_socket_folder(address: str, *, private: bool) -> None:

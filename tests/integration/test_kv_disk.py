@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from services.client import generate_request
 from tests.clients import Scrape, every_page_accounted, internal_channel
 from tests.integration.kv_agent import SHAPE
 from tests.procs import DaemonProcess, KVAgent, start_daemon, start_stack
+from tests.second_user import run_as_second_user
 from tests.waiting import wait_until
 
 PROMPT = list(range(12))  # three pages of SHAPE's four tokens
@@ -180,6 +182,42 @@ def test_a_page_damaged_on_disk_is_refused_and_the_prefix_stops_before_it(
     assert looked_up(daemons[1]) == [1.0], "the first page only: the second failed its CRC"
     assert not damaged.exists()
     assert len(list(disk.glob("*.kvpage"))) == 2
+
+
+@pytest.fixture
+def volume() -> Iterator[Path]:
+    """A folder as a Kubernetes emptyDir's root is: root's, 0777 without the sticky bit, so that another user
+    (tests/second_user.py) may rename, make and remove what is in it."""
+    path = Path(tempfile.mkdtemp(prefix="ps-volume-", dir="/tmp"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_tier_in_a_volume_others_can_write_reads_only_its_own_folder(
+    run_dir: Path, volume: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    """The tier's folder may lie in such a volume (the manifests' daemon keeps it in an emptyDir): the daemon
+    opens it once and reaches its files only through that descriptor. Another user who swaps the folder's
+    name for a folder of their own, with a page file planted under a real page's name, changes nothing for
+    the running daemon; a daemon started later refuses their folder, and a symlink in its place."""
+    disk = volume / "kv"
+    daemons.append(prompt_on_disk(run_dir, disk))
+    ours = volume / "ours"
+    run_as_second_user("mv", str(disk), str(ours))
+    run_as_second_user("mkdir", "-m", "0700", str(disk))
+    planted = disk / file_name(fingerprint("test-model", SHAPE), page_keys(PROMPT, SHAPE.page_size)[0])
+    run_as_second_user("truncate", "--size=4096", str(planted))  # no page: any file of theirs
+    assert looked_up(daemons[0]) == [1.0, 2.0, 3.0], "the pages in its own folder, from wherever it lies"
+    assert tier_counts(daemons[0]).rejected == 0 and len(list(ours.glob("*.kvpage"))) == 3
+
+    daemons[0].kill()
+    again = tmp_path / "again"
+    again.mkdir(mode=0o700)
+    assert "belongs to uid 65534" in refused(again, "--kv-disk", str(disk), "--kv-disk-size", "1MiB")
+    run_as_second_user("rm", "-r", str(disk))
+    run_as_second_user("ln", "-s", str(ours), str(disk))
+    assert "cannot be opened as a folder" in refused(again, "--kv-disk", str(disk), "--kv-disk-size", "1MiB")
 
 
 def refused(run_dir: Path, *extra: str) -> str:

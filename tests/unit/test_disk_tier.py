@@ -33,13 +33,13 @@ def page(key: bytes, payload: bytes = PAYLOAD) -> StoredPage:
 
 
 def files(tier: DiskTier) -> list[Path]:
-    return sorted(tier.folder.glob("*.kvpage"))
+    return sorted(tier.folder.path.glob("*.kvpage"))
 
 
 def test_a_page_comes_back_whole_and_the_budget_holds_the_most_recent(tmp_path: Path) -> None:
     size = len(PAYLOAD) + 200  # a page's file: the payload and its header
     tier = inline(tmp_path / "tier", 3 * size)
-    assert oct(tier.folder.stat().st_mode & 0o777) == "0o700"
+    assert oct(tier.folder.path.stat().st_mode & 0o777) == "0o700"
     for key in (b"k1", b"k2", b"k3"):
         assert tier.put(OWNER, page(key))
     assert not tier.put(OWNER, page(b"k1"))  # kept already
@@ -122,8 +122,8 @@ def test_a_symlink_or_a_file_under_another_pages_name_is_refused(tmp_path: Path)
 
     assert tier.get(OWNER, b"k2") is None and tier.counts().rejected == 1
     assert secret.read_bytes() == b"not a page" and not planted.is_symlink()
-    renamed = file_of(tier, b"k1").rename(tier.folder / ("0" * 40 + ".kvpage"))  # not its own name
-    restarted = inline(tier.folder, 1 << 20)
+    renamed = file_of(tier, b"k1").rename(tier.folder.path / ("0" * 40 + ".kvpage"))  # not its own name
+    restarted = inline(tier.folder.path, 1 << 20)
     assert restarted.counts().rejected == 1 and restarted.counts().pages == 0
     assert not renamed.exists()
 

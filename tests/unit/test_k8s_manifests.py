@@ -17,6 +17,7 @@ from smg.launch_router import parse_router_args
 
 from memory_daemon.config import DaemonConfig
 from pagedserve.plumbing import settings
+from pagedserve.plumbing.sizes import parse_bytes
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2
 from services.frontend.config import FrontendConfig
@@ -113,6 +114,28 @@ def test_the_processes_talk_over_unix_sockets_in_a_shared_memory_backed_folder(r
     for name in ("daemon", *flags):
         assert mounts(rendered.node[name])["/dev/shm"] == "shm"
         assert rendered.flags(rendered.node[name])["--shm-dir"] == ["/dev/shm"]
+
+
+def test_the_cpu_daemon_keeps_its_disk_tier_in_a_volume_that_outlives_its_container(
+    rendered: Rendered,
+) -> None:
+    """--kv-disk in an emptyDir on disk (a container's restart keeps it: a warm restart) that only the daemon
+    mounts, large enough for the tier's budget. A CUDA daemon refuses --kv-disk: the GPU overlay has none."""
+    daemon = rendered.node["daemon"]
+    flags = rendered.flags(daemon)
+    if rendered.overlay == "gpu":
+        assert "--kv-disk" not in flags and "--kv-disk-size" not in flags
+        return
+    (folder,) = flags["--kv-disk"]
+    ((path, name),) = [(p, n) for p, n in mounts(daemon).items() if folder.startswith(p.rstrip("/") + "/")]
+    assert folder != path.rstrip("/"), "the tier's folder lies inside the volume: its root is not private"
+    volume = {v["name"]: v for v in rendered.pod("node")["spec"]["volumes"]}[name]
+    assert "medium" not in volume["emptyDir"], "on disk, not in memory"
+    assert parse_bytes(volume["emptyDir"]["sizeLimit"]) > parse_bytes(flags["--kv-disk-size"][0])
+    assert parse_bytes(daemon["resources"]["requests"]["ephemeral-storage"]) >= parse_bytes(
+        volume["emptyDir"]["sizeLimit"]
+    )
+    assert [n for n, c in rendered.node.items() if name in mounts(c).values()] == ["daemon"]
 
 
 def test_every_flag_is_one_its_process_parses(rendered: Rendered, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve.plumbing.auth import check_serving_address
 from pagedserve.plumbing.errors import PermissionDenied
-from pagedserve.plumbing.private import check_unix_peer, private_folder, write_private_file
+from pagedserve.plumbing.private import HeldFolder, check_unix_peer, private_folder, write_private_file
 from tests.second_user import (
     folder_of_second_user,
     python_as_second_user,
@@ -63,6 +63,25 @@ def test_a_run_folder_open_to_others_is_refused(
     make(home / "run")
     with pytest.raises(PermissionDenied, match=problem.replace("(", r"\(").replace(")", r"\)")):
         private_folder(home / "run")
+    held_problem = (
+        "cannot be opened as a folder" if problem in ("is a symbolic link", "is not a folder") else problem
+    )
+    with pytest.raises(PermissionDenied, match=held_problem.replace("(", r"\(").replace(")", r"\)")):
+        HeldFolder(home / "run")  # the disk tier's: the same folder checks, through its descriptor
+
+
+def test_a_held_folder_is_made_private_and_written_whole_through_its_descriptor(home: Path) -> None:
+    held = HeldFolder(home / "volume" / "kv")
+    assert mode(home / "volume" / "kv") == 0o700
+    held.write("page", b"ours")
+    (home / "volume" / "kv").rename(home / "volume" / "moved")  # the path no longer leads to it
+    assert [(name, info.st_mode & 0o777) for name, info in held.names()] == [("page", 0o600)]
+    fd = held.open("page", os.O_RDONLY)
+    with os.fdopen(fd, "rb") as file:
+        assert file.read() == b"ours"
+    held.unlink("page")
+    held.unlink("page")  # already gone: nothing to do
+    assert not (home / "volume" / "moved" / "page").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
