@@ -3,7 +3,8 @@
     python scripts/bench_cpu_ops.py [--threads 2] [--rows 1,2,4,8,16,32]
 
 1. GEMMs of SmolLM2-135M's layer shapes, with a separate weight per layer (30 layers, 424 MB) so that they
-   stream from memory as in a decode step: MKL's F.linear against skinny_linear, per number of rows.
+   stream from memory as in a decode step: MKL's F.linear against skinny_linear and, on the weights packed
+   as a float32 model's are at load, packed_float_linear, per number of rows.
 2. A mixture of experts' layer shaped as one of Qwen3-30B-A3B's, narrower (64 experts of 1024 x 384, 8 a
    token; 302 MB, so that it streams from memory): the torch reference against the C++ op, per row count.
 3. Paged decode attention in bfloat16 over SmolLM2-135M's 30 layers' pools (3 KV heads of 64, 9 query heads,
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedserve.kernels import ExpertWeights, KernelBackend, Routing, TorchBackend  # noqa: E402
-from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
+from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops, pack_linear  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
@@ -54,13 +55,22 @@ def seconds(run: Callable[[], object], repeats: int) -> float:
 
 def bench_gemms(ops: ModuleType, rows: list[int]) -> None:
     weights = [torch.randn(n, k) for _ in range(30) for n, k in LAYER_SHAPES]
-    print("| rows | MKL F.linear ms | skinny_linear ms | ratio |\n|---|---|---|---|")
+    packed = [pack_linear(w, ops.packed_float_group()) for w in weights]  # as a float32 model's, at load
+    print("| rows | MKL F.linear ms | skinny_linear ms | packed_float_linear ms | MKL / packed |")
+    print("|---|---|---|---|---|")
     for m in rows:
         inputs = {k: torch.randn(m, k) for k in (576, 1536)}
         pairs = [(inputs[w.shape[1]], w) for w in weights]
         mkl = seconds(lambda pairs=pairs: [F.linear(x, w) for x, w in pairs], 10)
-        ours = seconds(lambda pairs=pairs: [ops.skinny_linear(x, w, None) for x, w in pairs], 10)
-        print(f"| {m} | {mkl * 1e3:.1f} | {ours * 1e3:.1f} | {mkl / ours:.2f}x |")
+        skinny = seconds(lambda pairs=pairs: [ops.skinny_linear(x, w, None, None) for x, w in pairs], 10)
+        ours = seconds(
+            lambda pairs=pairs: [
+                ops.packed_float_linear(x, p.data, None, p.rows)
+                for (x, _), p in zip(pairs, packed, strict=True)
+            ],
+            10,
+        )
+        print(f"| {m} | {mkl * 1e3:.1f} | {skinny * 1e3:.1f} | {ours * 1e3:.1f} | {mkl / ours:.2f}x |")
 
 
 def bench_experts(ops: ModuleType, rows: list[int]) -> None:

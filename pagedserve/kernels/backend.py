@@ -84,10 +84,10 @@ class QuantizedWeight:
 @dataclass(frozen=True)
 class PackedWeight:
     """A linear layer's weight [N, K] in the layout one backend's kernel reads (the CPU backend's, for
-    vdpbf16ps or vpdpbusd: pagedserve/kernels/cpu_backend.py), made at load by that backend's prepare_linear.
-    unpacked() gives it back as it was, for any other backend."""
+    broadcast products in float32, vdpbf16ps or vpdpbusd: pagedserve/kernels/cpu_backend.py), made at load by
+    that backend's prepare_linear. unpacked() gives it back as it was, for any other backend."""
 
-    data: torch.Tensor  # [ceil(N / 32), K / step, 32, step]: bfloat16, or int8 with a scale
+    data: torch.Tensor  # [ceil(N / 32), K / step, 32, step]: float32, bfloat16, or int8 with a scale
     scale: torch.Tensor | None  # [N] float32, for int8 data
     rows: int  # N
     sums: torch.Tensor | None = None  # [32 ceil(N / 32)] int32: 128 * each row's sum, for int8 in fours

@@ -10,14 +10,16 @@ prefill's two products run on its tiles. `pagedserve/kernels/cpu/elementwise.cpp
 RMSNorm (with the residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for
 every operator.
 
-Where cpu_features.py saw vdpbf16ps run and the model computes in bfloat16, each int8 linear weight (where
-vpdpbusd runs too) and each bfloat16 one (where AMX does not) is packed at load for `packed_linear.cpp`,
-which serves every number of rows (an int8 one of more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on
-AMX's tiles where they run). Otherwise GEMMs of a decode step's few rows stream their weight once
-through `skinny_linear.cpp`, widening bfloat16, int8 or float8 to float32 in registers, and more rows go to
-torch: oneDNN for bfloat16 on a CPU that runs it in
-hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or quantized weight widened to
-float32 first. With AMX, oneDNN takes a bfloat16 GEMM of more than AMX_SKINNY_ROWS rows.
+A float32 model's linear weights are packed at load for `packed_float.cpp`, which serves every number of
+rows, faster than MKL's GEMM on the unpacked weight from one row to thousands. Where cpu_features.py saw
+vdpbf16ps run and the model computes in bfloat16, each int8 linear weight (where vpdpbusd runs too) and
+each bfloat16 one (where AMX does not) is packed at load for `packed_linear.cpp`, which serves every number
+of rows (an int8 one of more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on AMX's tiles where they
+run). Otherwise GEMMs of a decode step's few rows stream their weight once through `skinny_linear.cpp`,
+widening bfloat16, int8 or float8 to float32 in registers, and more rows go to torch: oneDNN for bfloat16
+on a CPU that runs it in hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or
+quantized weight widened to float32 first. With AMX, oneDNN takes a bfloat16 GEMM of more than
+AMX_SKINNY_ROWS rows.
 
 The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into
 cpu-kernels/ in the cache folder, or $PAGEDSERVE_CPU_KERNELS: the first start takes a minute or more on a
@@ -85,6 +87,7 @@ SOURCES = [
         "elementwise.cpp",
         "skinny_linear.cpp",
         "packed_linear.cpp",
+        "packed_float.cpp",
         "moe.cpp",
         "features.cpp",
         "bindings.cpp",
@@ -281,23 +284,28 @@ class CpuBackend(TorchBackend):
         return self._ops.silu_and_mul(x)
 
     def prepare_linear(self, weight: Weight, dtype: torch.dtype) -> Weight:
-        """Where this CPU runs vdpbf16ps and activations are bfloat16, a weight packed for packed_linear.cpp:
-        bfloat16 where AMX does not run, and int8 where it runs vpdpbusd too (a copy: a vocabulary projection
-        tied to the embedding keeps the embedding too)."""
+        """A weight packed (a copy: a vocabulary projection tied to the embedding keeps the embedding too):
+        a float32 model's for packed_float.cpp, and where this CPU runs vdpbf16ps and activations are
+        bfloat16, a bfloat16 weight where AMX does not run and an int8 one where vpdpbusd runs too, for
+        packed_linear.cpp."""
         data = weight.data if isinstance(weight, QuantizedWeight) else weight
         if (
-            dtype != torch.bfloat16
-            or not isinstance(data, torch.Tensor)
+            not isinstance(data, torch.Tensor)
             or data.device.type != "cpu"
-            or data.dtype not in self._packed_dtypes()
+            or data.dtype not in self._packed_dtypes(dtype)
             or data.shape[1] % pack_step(data.dtype)
         ):
             return weight
-        return pack_linear(weight)  # type: ignore[arg-type]
+        group = self._ops.packed_float_group() if data.dtype == torch.float32 else PACK_GROUP
+        return pack_linear(weight, group)  # type: ignore[arg-type]
 
-    def _packed_dtypes(self) -> tuple[torch.dtype, ...]:
-        """The weights' dtypes prepare_linear packs: bfloat16 for vdpbf16ps (not where AMX runs oneDNN's),
-        int8 for vpdpbusd."""
+    def _packed_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The weights' dtypes prepare_linear packs for a model that computes in dtype: float32 for float32;
+        for bfloat16, bfloat16 for vdpbf16ps (not where AMX runs oneDNN's) and int8 for vpdpbusd."""
+        if dtype == torch.float32:
+            return (torch.float32,)
+        if dtype != torch.bfloat16:
+            return ()
         dtypes = []
         if self._pack_bf16:
             dtypes.append(torch.bfloat16)
@@ -310,6 +318,8 @@ class CpuBackend(TorchBackend):
             return super().linear(x, weight, bias)
         rows = x.shape[0]
         if isinstance(weight, PackedWeight):
+            if weight.data.dtype == torch.float32 and x.dtype == torch.float32:
+                return self._ops.packed_float_linear(x, weight.data, bias, weight.rows)
             if x.dtype != torch.bfloat16:
                 return super().linear(x, weight, bias)
             return self._packed_linear(x, weight, bias, gated=False)
@@ -416,20 +426,22 @@ PACK_GROUP = 32  # output rows packed_linear.cpp reads together
 
 
 def pack_step(dtype: torch.dtype) -> int:
-    """The consecutive k that packed_linear.cpp multiplies at once: vdpbf16ps's pairs, vpdpbusd's fours."""
-    return 4 if dtype == torch.int8 else 2
+    """The consecutive k that packed_linear.cpp multiplies at once: vdpbf16ps's pairs, vpdpbusd's fours;
+    packed_float.cpp's one."""
+    return {torch.int8: 4, torch.bfloat16: 2}.get(dtype, 1)
 
 
-def pack_linear(weight: torch.Tensor | QuantizedWeight) -> PackedWeight:
-    """weight [N, K] (bfloat16, or int8 with its scale) as packed_linear.cpp reads it: its rows in groups of
-    32 (the last padded with zeros), each group [K / step, 32, step]: step consecutive k of 32 rows together
-    (pack_step); an int8 weight also keeps 128 times each row's sum, for the kernel to take off again (it
-    multiplies x offset by 128, as unsigned bytes)."""
+def pack_linear(weight: torch.Tensor | QuantizedWeight, group: int = PACK_GROUP) -> PackedWeight:
+    """weight [N, K] (float32, bfloat16, or int8 with its scale) as packed_float.cpp and packed_linear.cpp
+    read it: its rows in groups (the last padded with zeros; packed_float.cpp's of `packed_float_group()`
+    rows, packed_linear.cpp's of PACK_GROUP), each group [K / step, group, step]: step consecutive k of the
+    group's rows together (pack_step); an int8 weight also keeps 128 times each row's sum, for the kernel to
+    take off again (it multiplies x offset by 128, as unsigned bytes)."""
     data, scale = (weight.data, weight.scale) if isinstance(weight, QuantizedWeight) else (weight, None)
     rows, k = data.shape
     step = pack_step(data.dtype)
-    padded = torch.cat((data, data.new_zeros(-rows % PACK_GROUP, k)))
-    packed = padded.view(-1, PACK_GROUP, k // step, step).permute(0, 2, 1, 3).contiguous()
+    padded = torch.cat((data, data.new_zeros(-rows % group, k)))
+    packed = padded.view(-1, group, k // step, step).permute(0, 2, 1, 3).contiguous()
     sums = 128 * padded.sum(1, dtype=torch.int32) if data.dtype == torch.int8 else None
     return PackedWeight(packed, scale, rows, sums)
 

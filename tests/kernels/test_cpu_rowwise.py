@@ -271,6 +271,38 @@ def test_packed_linear(backends: list[CpuBackend], rows: int, n: int, k: int, we
             torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7 * k**0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 47, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 3), (4099, 64), (7, 1536), (40, 100)], ids=str)
+def test_packed_float_linear(backend: CpuBackend, rows: int, n: int, k: int) -> None:
+    """A float32 model's weights are packed at load for packed_float.cpp: rows in tiles (6 with AVX2, 12 with
+    AVX-512) and not, outputs in whole groups and not, any K, against the reference's float32 product;
+    unpacked, the weight is the one it was."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, weight, bias = linear_case(gen, rows, n, k, "float32")
+    packed = backend.prepare_linear(weight, torch.float32)
+    assert isinstance(packed, PackedWeight) and packed.shape == (n, k)
+    assert packed.data.shape[2] == cpu_ops().packed_float_group()
+    assert torch.equal(packed.unpacked(), weight)
+    for b in (None, bias):
+        out = backend.linear(x, packed, b)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        torch.testing.assert_close(out, REFERENCE.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_float_linear_refuses_what_it_cannot_multiply(backend: CpuBackend) -> None:
+    ops = cpu_ops()
+    packed = backend.prepare_linear(torch.randn(40, 64), torch.float32)
+    assert isinstance(packed, PackedWeight)
+    with pytest.raises(ValueError, match="packed must be"):
+        ops.packed_float_linear(torch.randn(3, 65), packed.data, None, 40)  # another K
+    with pytest.raises(ValueError, match="packed must be"):
+        ops.packed_float_linear(torch.randn(3, 64), packed.data, None, 80)  # more rows than it holds
+    with pytest.raises(ValueError, match="bias"):
+        ops.packed_float_linear(torch.randn(3, 64), packed.data, torch.randn(41), 40)
+    with pytest.raises((ValueError, TypeError), match="x"):
+        ops.packed_float_linear(torch.randn(3, 64).bfloat16(), packed.data, None, 40)
+
+
 @pytest.mark.parametrize("rows", [17, 31, 32, 33, 100, 300])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 64), (4099, 128), (7, 1536), (40, 100)], ids=str)
 def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
