@@ -87,7 +87,9 @@ class PackedWeight:
     broadcast products in float32, vdpbf16ps or vpdpbusd: pagedserve/kernels/cpu_backend.py), made at load by
     that backend's prepare_linear. unpacked() gives it back as it was, for any other backend."""
 
-    data: torch.Tensor  # [ceil(N / 32), K / step, 32, step]: float32, bfloat16, or int8 with a scale
+    # [ceil(N / group), K / step, group, step]: float32 (group: packed_float_group()), or bfloat16 or int8
+    # with a scale (group 32)
+    data: torch.Tensor
     scale: torch.Tensor | None  # [N] float32, for int8 data
     rows: int  # N
     sums: torch.Tensor | None = None  # [32 ceil(N / 32)] int32: 128 * each row's sum, for int8 in fours

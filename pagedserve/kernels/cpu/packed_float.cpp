@@ -7,9 +7,8 @@
 // as [N, K], ends every dot product in one, and no packing of W at every call, which is what makes MKL slow
 // at a few rows. A tile is kTileRows rows of x against a group; the group's [K, kGroup] stays in cache for
 // all the tiles that read it, and a thread takes whole groups. On an AMD EPYC with AVX2 alone, SmolLM2's 120
-// GEMMs took 12-18 / 23-30 / 46-58 / 323-405 ms at 1 / 12 / 32 / 256 rows, against skinny_linear's 16-23 /
-// 37-44 / 76-81 / 585-644 and MKL's 29-35 / 53-76 / 78-107 / 360-438 on the same weights unpacked
-// (scripts/bench_cpu_ops.py; the machine's noise gives the ranges).
+// GEMMs took 14.6 / 24.2 / 47.4 / 330.9 ms at 1 / 12 / 32 / 256 rows, against skinny_linear's 16.7 / 38.0 /
+// 79.7 / 642.3 and MKL's 28.8 / 52.7 / 77.1 / 376.8 on the same weights unpacked (scripts/bench_cpu_ops.py).
 
 #include <torch/extension.h>
 
@@ -33,8 +32,8 @@ constexpr int kVectors = 2;
 constexpr int64_t kGroup = kVectors * kLanes;
 constexpr int kTileRows = kLanes == 16 ? 12 : 6;
 
-// x rows [0, MR) against a group's outputs [n0, n0 + kGroup) (w: its [K, kGroup]), into y; outputs from n_len on are
-// the group's zero padding, and are not stored.
+// x rows [0, MR) against a group's outputs [n0, n0 + kGroup) (w: its [K, kGroup]), into y; outputs from n_len
+// on are the group's zero padding, and are not stored.
 template <int MR>
 void tile(const float* x, const float* w, const float* bias, float* y, int64_t k_len, int64_t n0, int64_t n_len) {
   Vec acc[MR][kVectors] = {};
@@ -50,7 +49,9 @@ void tile(const float* x, const float* w, const float* bias, float* y, int64_t k
   const int64_t width = std::min(kGroup, n_len - n0);
   for (int i = 0; i < MR; ++i) {
     float* row = y + i * n_len + n0;
-    for (int64_t j = 0; j < width; ++j) row[j] = acc[i][j / kLanes][j % kLanes] + (bias ? bias[n0 + j] : 0.0f);
+    for (int64_t j = 0; j < width; ++j) {
+      row[j] = acc[i][j / kLanes][j % kLanes] + (bias ? bias[n0 + j] : 0.0f);
+    }
   }
 }
 
@@ -58,7 +59,9 @@ void tile(const float* x, const float* w, const float* bias, float* y, int64_t k
 void column(const float* x, const float* w, const float* bias, float* y, int64_t m_len, int64_t k_len, int64_t n0,
             int64_t n_len) {
   int64_t m = 0;
-  for (; m + kTileRows <= m_len; m += kTileRows) tile<kTileRows>(x + m * k_len, w, bias, y + m * n_len, k_len, n0, n_len);
+  for (; m + kTileRows <= m_len; m += kTileRows) {
+    tile<kTileRows>(x + m * k_len, w, bias, y + m * n_len, k_len, n0, n_len);
+  }
   const float* xr = x + m * k_len;
   float* yr = y + m * n_len;
   switch (m_len - m) {
@@ -83,7 +86,7 @@ int64_t packed_float_group() { return kGroup; }
 
 torch::Tensor packed_float_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
                                   int64_t n_len) {
-  using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
+  using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
   check_cpu(x, "x", torch::kFloat32);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const int64_t m_len = x.size(0), k_len = x.size(1), groups = (n_len + kGroup - 1) / kGroup;
