@@ -6,8 +6,9 @@
 #
 #   scripts/bench_cpu_peers.sh [OUT=docs/bench/cpu-peers] [SYSTEM...]
 #
-# SYSTEM names a server and its configuration: pagedserve-[int8-](bf16|fp32)[-chunkN][-threadsN] (int8 weights,
-# the dtype, --max-batched-tokens N, the worker's --threads N), vllm-(bf16|fp32) or llama-q8_0 (default: the list below). The peers are installed beside pagedserve, never
+# SYSTEM names a server and its configuration: pagedserve-[int8-](bf16|fp32)[-kvbf16][-chunkN][-threadsN] (int8
+# weights, the dtype, --kv-cache-dtype bfloat16, --max-batched-tokens N, the worker's --threads N),
+# vllm-(bf16|fp32) or llama-q8_0 (default: the list below). The peers are installed beside pagedserve, never
 # in its environment: VLLM_PYTHON is the python of vLLM's CPU build, LLAMA_SERVER llama.cpp's llama-server
 # and LLAMA_GGUF the model as a Q8_0 GGUF (that README says how each was made).
 set -euo pipefail
@@ -50,6 +51,7 @@ start() {  # starts system $1 in its own process group (server) and names it for
       [[ $1 == *-bf16* ]] && flags+=(--dtype bfloat16)
       [[ $1 == *-fp32* ]] && flags+=(--dtype float32)
       [[ $1 == *-int8-* ]] && flags+=(--quantization int8)
+      [[ $1 == *-kvbf16* ]] && flags+=(--kv-cache-dtype bfloat16)
       [[ $1 =~ -chunk([0-9]+) ]] && flags+=(--max-batched-tokens "${BASH_REMATCH[1]}")
       [[ $1 =~ -threads([0-9]+) ]] && flags+=(--threads "${BASH_REMATCH[1]}")
       setsid "$here/.venv/bin/pagedserve" up --model "$model" "${flags[@]}" >"$log" 2>&1 &

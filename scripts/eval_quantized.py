@@ -4,6 +4,7 @@
 
 int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations
 (rounded to int8 a row where the worker would: W8A8, on a CPU with AVX512-VNNI and AVX512-BF16).
+float32-kv-bfloat16 is the float32 model over a bfloat16 KV pool (--kv-cache-dtype bfloat16).
 
 Each prompt is a chat message through the model's chat template. For each, the float32 model's greedy
 continuation of --tokens tokens is the reference, and the other model is measured three ways:
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from memory_daemon.shape import DType  # noqa: E402
 from pagedserve.kernels import AttentionMetadata  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
@@ -64,18 +65,13 @@ PROMPTS = [
     "Tell me a fun fact about octopuses.",
 ]
 PAGE_SIZE = 16
-# What --dtypes names: the model's dtype (its activations) and its weights' quantization.
-VARIANTS: dict[str, tuple[torch.dtype, Quantization]] = {
-    "int8": (torch.float32, "int8"),
-    "bfloat16": (torch.bfloat16, "none"),
-    "int8-bfloat16": (torch.bfloat16, "int8"),
+# What --dtypes names: the model's dtype (its activations), its weights' quantization and its pool's dtype.
+VARIANTS: dict[str, tuple[torch.dtype, Quantization, torch.dtype | None]] = {
+    "int8": (torch.float32, "int8", None),
+    "bfloat16": (torch.bfloat16, "none", None),
+    "int8-bfloat16": (torch.bfloat16, "int8", None),
+    "float32-kv-bfloat16": (torch.float32, "none", torch.bfloat16),
 }
-
-
-@dataclass
-class Variant:
-    name: str
-    model: CausalLM
 
 
 def load(model_dir: Path, dtype: torch.dtype, quantization: Quantization) -> CausalLM:
@@ -88,9 +84,15 @@ def load(model_dir: Path, dtype: torch.dtype, quantization: Quantization) -> Cau
     )
 
 
-def greedy(model: CausalLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    """Each prompt's greedy continuation, through the engine."""
-    kv = LocalKVCache(model.spec.pool_shape(str(model.dtype).removeprefix("torch."), PAGE_SIZE), 1024)
+def pool_dtype(model: CausalLM, kv_dtype: torch.dtype | None) -> DType:
+    return str(kv_dtype or model.dtype).removeprefix("torch.")  # type: ignore[return-value]
+
+
+def greedy(
+    model: CausalLM, prompts: list[list[int]], tokens: int, kv_dtype: torch.dtype | None = None
+) -> list[list[int]]:
+    """Each prompt's greedy continuation, through the engine, over a pool of kv_dtype (else the model's)."""
+    kv = LocalKVCache(model.spec.pool_shape(pool_dtype(model, kv_dtype), PAGE_SIZE), 1024)
     engine = EngineCore(model, kv, EngineConfig(max_num_seqs=len(prompts)))
     options = SamplingOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for key, prompt in enumerate(prompts):
@@ -101,16 +103,14 @@ def greedy(model: CausalLM, prompts: list[list[int]], tokens: int) -> list[list[
     return out
 
 
-def logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
+def logits(model: CausalLM, tokens: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The model's next-token logits [len(tokens), V] at every position, from one prefill of tokens."""
     n = len(tokens)
     pages = -(-n // PAGE_SIZE)
     spec = model.spec
     assert spec.kv_groups.count == 1, "one group of layers: one block table"
-    kv = torch.zeros(
-        spec.pool_shape(str(model.dtype).removeprefix("torch."), PAGE_SIZE).tensor_shape(pages + 1)
-    )
-    kv = kv.to(model.dtype)
+    shape = spec.pool_shape(pool_dtype(model, kv_dtype), PAGE_SIZE)
+    kv = torch.zeros(shape.tensor_shape(pages + 1), dtype=kv_dtype or model.dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n) + PAGE_SIZE,  # pages 1, 2, ...: page 0 is the null page
         block_tables=torch.arange(1, pages + 1)[None, :],
@@ -155,9 +155,9 @@ def main() -> None:
     print("| model | same continuation | tokens before the first difference | top-1 agreement | mean KL |")
     print("|---|---|---|---|---|")
     for name in args.dtypes.split(","):
-        dtype, quantization = VARIANTS[name]
+        dtype, quantization, kv_dtype = VARIANTS[name]
         model = load(model_dir, dtype, quantization)
-        continuations = greedy(model, prompts, args.tokens)
+        continuations = greedy(model, prompts, args.tokens, kv_dtype)
         same = sum(c == r for c, r in zip(continuations, reference, strict=True))
         prefix = [
             next((i for i, (a, b) in enumerate(zip(c, r, strict=True)) if a != b), len(r))
@@ -165,7 +165,7 @@ def main() -> None:
         ]
         agree, kl, positions = 0, 0.0, 0
         for prompt, ref, expected in zip(prompts, reference, reference_logits, strict=True):
-            actual = logits(model, prompt + ref)[len(prompt) - 1 : -1].float()
+            actual = logits(model, prompt + ref, kv_dtype)[len(prompt) - 1 : -1].float()
             agree += int((actual.argmax(-1) == expected.argmax(-1)).sum())
             p, q = expected.log_softmax(-1), actual.log_softmax(-1)
             kl += float((p.exp() * (p - q)).sum())

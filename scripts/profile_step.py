@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from memory_daemon.shape import DType  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
@@ -38,11 +39,13 @@ from services.worker.models import load_model  # noqa: E402
 from services.worker.models.quantized import Quantization  # noqa: E402
 
 OPERATIONS = ("linear", "gated_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv")
-PRECISIONS: dict[str, tuple[torch.dtype, Quantization]] = {
-    "float32": (torch.float32, "none"),
-    "bfloat16": (torch.bfloat16, "none"),
-    "int8-bfloat16": (torch.bfloat16, "int8"),
-    "int8-float32": (torch.float32, "int8"),
+# The model's dtype, its weights' quantization, and its pool's dtype.
+PRECISIONS: dict[str, tuple[torch.dtype, Quantization, DType]] = {
+    "float32": (torch.float32, "none", "float32"),
+    "float32-kv-bfloat16": (torch.float32, "none", "bfloat16"),
+    "bfloat16": (torch.bfloat16, "none", "bfloat16"),
+    "int8-bfloat16": (torch.bfloat16, "int8", "bfloat16"),
+    "int8-float32": (torch.float32, "int8", "float32"),
 }
 STEPS = 10
 
@@ -82,7 +85,7 @@ def profile(precision: str, sequences: int, context: int, prefill: bool = False)
     if ops is None:
         raise SystemExit("the C++ CPU kernels could not be built here")
     backend = CpuBackend(ops, cpu_features())
-    dtype, quantization = PRECISIONS[precision]
+    dtype, quantization, kv_dtype = PRECISIONS[precision]
     model = load_model(
         default_model_dir(),
         dtype=dtype,
@@ -95,7 +98,7 @@ def profile(precision: str, sequences: int, context: int, prefill: bool = False)
     def started() -> EngineCore:
         """A fresh pool and engine with every prompt added, none run."""
         pages = sequences * (-(-(context + STEPS + 2) // 16)) + 1
-        kv = LocalKVCache(model.spec.pool_shape(str(dtype).removeprefix("torch."), 16), pages)
+        kv = LocalKVCache(model.spec.pool_shape(kv_dtype, 16), pages)
         config = EngineConfig(max_batched_tokens=sequences * context, max_num_seqs=sequences)
         engine = EngineCore(model, kv, config)
         options = SamplingOptions(max_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)

@@ -102,6 +102,10 @@ class TorchBackend:
         self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         slots = kv_layer.view(2, -1, *kv_layer.shape[3:])  # [2, P * B, Hkv, D]
+        k, v = (
+            k.to(kv_layer.dtype),
+            v.to(kv_layer.dtype),
+        )  # rounded, where the pool is narrower (--kv-cache-dtype)
         if not kv_layer.is_cuda and not bool((slot_mapping < 0).any()):  # a free check on the CPU
             slots[0].index_copy_(0, slot_mapping, k)
             slots[1].index_copy_(0, slot_mapping, v)
@@ -180,10 +184,12 @@ class TorchBackend:
     moe = staticmethod(moe_reference)
 
     @staticmethod
-    def _gather(kv_layer: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given pages [..., n] as [..., n * B, Hkv, D]: one row copy per page."""
+    def _gather(
+        kv_layer: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given pages [..., n] as [..., n * B, Hkv, D] in dtype: one row copy per page."""
         num_pages, page_size, kv_heads, head_dim = kv_layer.shape[1:]
-        rows = kv_layer.view(2, num_pages, -1).index_select(1, pages.flatten())
+        rows = kv_layer.view(2, num_pages, -1).index_select(1, pages.flatten()).to(dtype)
         kv = rows.view(2, *pages.shape[:-1], pages.shape[-1] * page_size, kv_heads, head_dim)
         return kv[0], kv[1]
 
@@ -211,7 +217,7 @@ class TorchBackend:
     ) -> torch.Tensor:
         seqs, q_heads, head_dim = q.shape
         page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-        k, v = self._gather(kv_layer, block_tables[:, : -(-max_len // page_size)])  # [S, L, Hkv, D]
+        k, v = self._gather(kv_layer, block_tables[:, : -(-max_len // page_size)], q.dtype)  # [S, L, Hkv, D]
         key_pos = torch.arange(k.shape[1], device=q.device)
         valid = key_pos < seq_lens[:, None]  # [S, L]
         if layer.window:
@@ -242,7 +248,7 @@ class TorchBackend:
         n, q_heads, head_dim = q.shape
         page_size, kv_heads = kv_layer.shape[2], kv_layer.shape[3]
         group = q_heads // kv_heads
-        k, v = self._gather(kv_layer, block_table[: -(-seq_len // page_size)])  # [L, Hkv, D]
+        k, v = self._gather(kv_layer, block_table[: -(-seq_len // page_size)], q.dtype)  # [L, Hkv, D]
         # [Hkv, G, L, D] views: each KV head broadcast over its query heads, without a copy.
         k = k[:seq_len].transpose(0, 1).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim)
         v = v[:seq_len].transpose(0, 1).unsqueeze(1).expand(kv_heads, group, seq_len, head_dim)

@@ -38,6 +38,11 @@ class WorkerConfig:
         "the model's and the KV pool's dtype: auto is bfloat16 on CUDA, and on the CPU bfloat16 where it "
         "runs in hardware (AMX or AVX512-BF16, each tried at start), else float32",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = setting(
+        "auto",
+        "the KV pool's dtype: auto is the model's; bfloat16 under a float32 model halves the bytes each "
+        "attention reads, and rounds K and V to bfloat16 (CPU only: on CUDA the pool is the model's dtype)",
+    )
     quantization: Quantization = setting(
         "none",
         "int8: the linear layers' weights in int8, one scale an output channel, quantized at load (a "
@@ -76,6 +81,12 @@ class WorkerConfig:
             raise ValueError("the CuPy kernels need --device cuda")
         if self.kernels == "cpu" and self.device != "cpu":
             raise ValueError("the C++ CPU kernels need --device cpu")
+        cuda_dtype = "bfloat16" if self.dtype == "auto" else self.dtype  # what auto picks there
+        if self.device != "cpu" and self.kv_cache_dtype not in ("auto", cuda_dtype):
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} differs from the model's dtype ({cuda_dtype}), "
+                "which only the CPU kernels take: on CUDA leave it auto"
+            )
         if (self.engine.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("--speculative draft and --draft-model DIR go together")
 

@@ -50,7 +50,7 @@ class LoadedWorker:
     model_id: str
     attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
     attach_draft: Callable[[], KVCache] | None  # the same for the draft model's pool (--draft-model)
-    dtype: str  # the model's and the pool's, e.g. "bfloat16"
+    dtype: str  # the model's, e.g. "bfloat16" (its pool's may be narrower: --kv-cache-dtype)
 
 
 def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
@@ -93,7 +93,8 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     spec = model.spec
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(dtype).removeprefix("torch.")
-    shape = spec.pool_shape(dtype_name, config.page_size)  # type: ignore[arg-type]
+    kv_dtype = dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    shape = spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
     kv, attach = _pool(config, shape, model_id, config.kv_memory_bytes, config.name, on_lost)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
@@ -103,8 +104,8 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         if int8_activations(model.weights):
             weights += " times activations rounded to int8 a row"
     log.info(
-        "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages %s",
-        *(model_dir, spec.model_type, parameters, config.device, weights, kv.num_pages - 1, where),
+        "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages in %s %s",
+        *(model_dir, spec.model_type, parameters, config.device, weights, kv.num_pages - 1, kv_dtype, where),
     )
     graphs = None
     if device.type == "cuda" and config.cuda_graphs and backend.name != "cupy":

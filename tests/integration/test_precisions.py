@@ -1,5 +1,6 @@
 """A whole stack on the default model in each precision the worker serves on a CPU: `--dtype bfloat16` (a
-bfloat16 pool in the daemon), `--quantization int8`, and `--dtype auto`, whose worker says what it picked and
+bfloat16 pool in the daemon), `--quantization int8`, a float32 model over a bfloat16 pool
+(`--kv-cache-dtype bfloat16`), and `--dtype auto`, whose worker says what it picked and
 why (and, for int8 weights against bfloat16 activations, whether the activations are rounded to int8 for
 vpdpbusd). Each stack's greedy tokens are those of the same model run in this process through the engine, so
 the flags reach the worker's model and pool; a precision that does not exist is refused by name."""
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memory_daemon.shape import DType
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
 from services.client import Client
@@ -29,7 +31,9 @@ PROMPT = "What is the capital of France?"
 TOKENS = 24
 
 
-def in_process(dtype: torch.dtype, quantization: Quantization, prompt: list[int]) -> list[int]:
+def in_process(
+    dtype: torch.dtype, quantization: Quantization, prompt: list[int], kv_dtype: DType
+) -> list[int]:
     ops = cpu_ops()
     assert ops is not None
     model = load_model(
@@ -39,7 +43,7 @@ def in_process(dtype: torch.dtype, quantization: Quantization, prompt: list[int]
         backend=CpuBackend(ops, cpu_features()),
         quantization=quantization,
     )
-    kv = LocalKVCache(model.spec.pool_shape(str(dtype).removeprefix("torch."), 16), 64)  # type: ignore[arg-type]
+    kv = LocalKVCache(model.spec.pool_shape(kv_dtype, 16), 64)
     engine = EngineCore(model, kv, EngineConfig())
     engine.add(
         engine.new_sequence(
@@ -50,21 +54,34 @@ def in_process(dtype: torch.dtype, quantization: Quantization, prompt: list[int]
 
 
 @pytest.mark.parametrize(
-    ("flags", "dtype", "quantization", "says"),
+    ("flags", "dtype", "quantization", "kv_dtype", "says"),
     [
-        (("--dtype", "bfloat16"), torch.bfloat16, "none", "dtype: bfloat16, as --dtype says"),
-        (("--quantization", "int8"), torch.float32, "int8", "float32, int8 linear layers"),
+        (("--dtype", "bfloat16"), torch.bfloat16, "none", "bfloat16", "dtype: bfloat16, as --dtype says"),
+        (("--quantization", "int8"), torch.float32, "int8", "float32", "float32, int8 linear layers"),
         (
             ("--dtype", "bfloat16", "--quantization", "int8"),
             torch.bfloat16,
             "int8",
+            "bfloat16",
             "bfloat16, int8 linear layers",
         ),
+        (
+            ("--dtype", "float32", "--kv-cache-dtype", "bfloat16"),
+            torch.float32,
+            "none",
+            "bfloat16",
+            "pages in bfloat16 from the daemon",
+        ),
     ],
-    ids=["bfloat16", "int8", "int8-bfloat16"],
+    ids=["bfloat16", "int8", "int8-bfloat16", "float32-kv-bfloat16"],
 )
 def test_a_stack_serves_the_precision_asked_for(
-    run_dir: Path, flags: tuple[str, ...], dtype: torch.dtype, quantization: Quantization, says: str
+    run_dir: Path,
+    flags: tuple[str, ...],
+    dtype: torch.dtype,
+    quantization: Quantization,
+    kv_dtype: DType,
+    says: str,
 ) -> None:
     stack = start_stack(run_dir, *flags, "--kv-memory", "64MiB")
     try:
@@ -80,10 +97,11 @@ def test_a_stack_serves_the_precision_asked_for(
     finally:
         assert stack.stop() == 0, stack.log()
     assert says in stack.log()
+    assert f"{kv_dtype}, 16 tokens a page" in stack.log()  # the daemon's pool
     found = cpu_features()
     int8_x = dtype == torch.bfloat16 and found.avx512_bf16.usable and found.avx512_vnni.usable
     assert ("times activations rounded to int8 a row" in stack.log()) == (quantization == "int8" and int8_x)
-    assert served == in_process(dtype, quantization, prompt)
+    assert served == in_process(dtype, quantization, prompt, kv_dtype)
 
 
 def test_auto_says_what_it_picked_and_why(run_dir: Path) -> None:
@@ -97,7 +115,9 @@ def test_auto_says_what_it_picked_and_why(run_dir: Path) -> None:
     assert f"dtype: {why}" in stack.log()
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--quantization", "int4"), ("--dtype", "float64")])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--quantization", "int4"), ("--dtype", "float64"), ("--kv-cache-dtype", "float16")]
+)
 def test_a_precision_that_does_not_exist_is_refused_by_name(flag: str, value: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "up", flag, value], capture_output=True, text=True, timeout=120

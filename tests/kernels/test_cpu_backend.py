@@ -91,14 +91,15 @@ def run_attention(
     group: int,
     dtype: torch.dtype,
     layer: LayerAttention | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Decodes of these lengths, then prefill chunks of (cached, new) tokens, through the C++ backends on a
-    pool where every slot they must not read is NaN (their outputs, one a backend), and through the
-    reference in float32 on a clean one."""
+    pool (of kv_dtype, else dtype) where every slot they must not read is NaN (their outputs, one a
+    backend), and through the reference in float32 on a clean one."""
     gen = generator(seed)
     lengths = [*decodes, *(cached + new for cached, new in chunks)]
     tables = random_tables(gen, lengths, page_size)
-    kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
+    kv_layer = random_pool(gen, page_size, head_dim, kv_dtype or dtype)[0]
     layer = layer or LayerAttention(head_dim**-0.5)
     steps = [Chunk(t, n - 1, 1) for t, n in zip(tables, decodes, strict=False)]
     steps += [Chunk(t, c, n) for t, (c, n) in zip(tables[len(decodes) :], chunks, strict=True)]
@@ -118,6 +119,28 @@ def run_attention(
 PREFILL_CASES = list(
     itertools.product((8, 16, 32), (16, 64, 128), (1, 3, 4), (torch.float32, torch.bfloat16))
 )
+
+
+@pytest.mark.parametrize(("page_size", "head_dim", "group"), [(16, 64, 3), (8, 128, 1), (32, 16, 4)])
+def test_float32_queries_over_a_bfloat16_pool_match_the_reference(
+    page_size: int, head_dim: int, group: int
+) -> None:
+    """--kv-cache-dtype bfloat16 under a float32 model: decodes and prefill chunks read the narrower pool and
+    compute in float32, so they agree with float32 math on the pool's values to float32's tolerance (and the
+    AMX prefill, which multiplies bfloat16 queries, does not take them)."""
+    chunks = [(0, 37), (23, 50), (0, 1)]
+    actuals, expected = run_attention(
+        page_size + head_dim,
+        [5, 40, 3 * page_size + 1],
+        chunks,
+        page_size,
+        head_dim,
+        group,
+        torch.float32,
+        kv_dtype=torch.bfloat16,
+    )
+    for actual in actuals:
+        assert_close(actual, expected, torch.float32)
 
 
 @pytest.mark.parametrize(

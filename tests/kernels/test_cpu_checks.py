@@ -209,7 +209,7 @@ CASES: list[tuple[str, Args, str]] = [
     (
         "paged_decode",
         {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=F64)},
-        r"kv_layer must be float32, not float64",
+        r"kv_layer must be float32 or bfloat16, not float64",
     ),
     (
         "paged_decode",
@@ -239,11 +239,6 @@ CASES: list[tuple[str, Args, str]] = [
     ("paged_decode", {"seq_lens": torch.ones(T, dtype=I32)}, r"seq_lens must be int64, not int32"),
     ("paged_decode", {"sinks": torch.zeros(HQ + 1)}, r"sinks must be \[6\], not \[7\]"),
     ("paged_decode", {"sinks": torch.zeros(HQ, dtype=F64)}, r"sinks must be float32, not float64"),
-    (
-        "paged_decode",
-        {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=BF16)},
-        r"kv_layer must be float32, not bfloat16",
-    ),
     ("paged_prefill", {"q": torch.randn(T, HQ * D)}, r"q must be \[N, Hq, D\], not \[5, 192\]"),
     ("paged_prefill", {"q": torch.randn(T, HQ, D, dtype=F64)}, r"q must be float32 or bfloat16, not float64"),
     ("paged_prefill", {"q": torch.randn(T, D, HQ).transpose(1, 2)}, r"q must be contiguous"),
@@ -254,8 +249,8 @@ CASES: list[tuple[str, Args, str]] = [
     ),
     (
         "paged_prefill",
-        {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=BF16)},
-        r"kv_layer must be float32, not bfloat16",
+        {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=torch.float16)},
+        r"kv_layer must be float32 or bfloat16, not float16",
     ),
     ("paged_prefill", {"kv_layer": torch.randn(2, 8, 4, 4, D)}, r"6 query heads over 4 KV heads"),
     (

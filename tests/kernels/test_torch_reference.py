@@ -220,10 +220,18 @@ def test_prefill_attention_over_a_cached_prefix(
     assert_close(out, chunk_reference(q, k, v, kv_before, chunks, scale), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+# (the model's dtype, the pool's): the pool may be narrower than the model (--kv-cache-dtype)
+MIXED_DTYPES = [(dtype, dtype) for dtype in DTYPES] + [(torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), MIXED_DTYPES, ids=lambda t: dtype_name(t))
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_mixed_batch_of_decodes_and_prefill_chunks(page_size: int, group: int, dtype: torch.dtype) -> None:
+def test_mixed_batch_of_decodes_and_prefill_chunks(
+    page_size: int, group: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> None:
+    """Decodes and prefill chunks in one step; where the pool is narrower than q, write_kv rounds this step's
+    K and V to it, and the attention computes in q's dtype over the rounded values."""
     gen = generator(7)
     head_dim = 64
     decode_lengths = [page_size, 1, 2 * page_size + 3]
@@ -232,7 +240,7 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(page_size: int, group: int, d
     tables = random_tables(gen, lengths, page_size)
     decodes = [Chunk(table, n - 1, 1) for table, n in zip(tables[:3], decode_lengths, strict=True)]
     chunks = [Chunk(table, start, count) for table, (start, count) in zip(tables[3:], prefills, strict=True)]
-    kv_layer = random_pool(gen, page_size, head_dim, dtype)[0]
+    kv_layer = random_pool(gen, page_size, head_dim, kv_dtype)[0]
     poison_pages(kv_layer, unowned_pages(tables))
     for chunk in decodes:
         poison_slots(kv_layer, chunk.pages, chunk.positions)
@@ -247,6 +255,9 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(page_size: int, group: int, d
     BACKEND.write_kv(kv_layer, k, v, meta.slot_mapping)
     out = BACKEND.paged_attention(q, kv_layer, meta, LayerAttention(scale))
 
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    assert torch.equal(kv_layer.view(2, -1, KV_HEADS, head_dim)[0, meta.slot_mapping], k)
+    assert out.dtype == dtype
     assert_close(out, chunk_reference(q, k, v, kv_before, [*decodes, *chunks], scale), dtype)
 
 

@@ -154,3 +154,18 @@ def test_up_checks_its_childrens_settings_before_starting_any() -> None:
         up.configure(up_parser().parse_args(["--kernels", "cupy"]))
     with pytest.raises(ValueError, match="--watermark is a fraction of the pool"):
         up.configure(up_parser().parse_args(["--watermark", "2"]))
+
+
+def test_a_pool_narrower_than_its_model_is_passed_on_and_refused_on_cuda() -> None:
+    plan = up.configure(up_parser().parse_args(["--dtype", "float32", "--kv-cache-dtype", "bfloat16"]))
+    assert plan.flags["worker"][-4:] == ["--dtype", "float32", "--kv-cache-dtype", "bfloat16"]
+    with pytest.raises(
+        ValueError, match=r"--kv-cache-dtype bfloat16 differs from the model's dtype \(float32\)"
+    ):
+        up.configure(
+            up_parser().parse_args(["--device", "cuda", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"])
+        )
+    # On CUDA auto is bfloat16, so a bfloat16 pool is the model's own.
+    assert WorkerConfig(device="cuda", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse's usage error: float16 is not a pool the CPU kernels read
+        up_parser().parse_args(["--kv-cache-dtype", "float16"])

@@ -56,14 +56,15 @@ inline void check_contiguous(const torch::Tensor& t, const char* name) {
 }
 
 // An attention op's queries q [rows, Hq, D] (`rows` spells its first size), the pool's layer kv [2, P, B, Hkv,
-// D] in q's dtype, with Hq a multiple of Hkv, and sinks [Hq] where given.
+// D], with Hq a multiple of Hkv, and sinks [Hq] where given. q and kv are each float32 or bfloat16: a pool may
+// be narrower than its model (--kv-cache-dtype), and the ops compute in float32 either way.
 inline void check_attention(const torch::Tensor& q, const char* rows, const torch::Tensor& kv,
                             const std::optional<torch::Tensor>& sinks) {
   check_cpu_float(q, "q");
   check_shape(q, "q", {kAny, kAny, kAny}, "[", rows, ", Hq, D]");
   check_contiguous(q, "q");
   const int64_t q_heads = q.size(1), dim = q.size(2);
-  check_cpu(kv, "kv_layer", q.scalar_type());
+  check_cpu_float(kv, "kv_layer");
   check_shape(kv, "kv_layer", {2, kAny, kAny, kAny, dim}, "[2, P, B, Hkv, ", dim, "]");
   check_contiguous(kv, "kv_layer");
   TORCH_CHECK_VALUE(kv.size(3) > 0 && q_heads % kv.size(3) == 0, q_heads, " query heads over ", kv.size(3),

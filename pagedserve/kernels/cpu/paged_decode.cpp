@@ -3,7 +3,7 @@
 // slot that holds no valid data never reaches the softmax, whatever it holds).
 //
 // q [S, Hq, D], kv_layer [2, P, B, Hkv, D], block_tables [S, W] (int64), seq_lens [S] (int64); q and the pool
-// float32 or bfloat16, computed in float32.
+// each float32 or bfloat16 (a pool may be narrower than its model), computed in float32.
 // Each KV head's G = Hq / Hkv query heads share each K and V row read for them. window > 0: each query reads
 // only the last `window` tokens, its own included (a sliding-window layer; the pages before may be gone).
 // softcap > 0: scores become softcap * tanh(scores / softcap). sinks [Hq]: a logit per query head that joins
@@ -89,10 +89,34 @@ struct Task {
   int64_t span() const { return len - lo; }
 };
 
-// Each query head's softcapped, scaled score of each key: a dot product and a sum of its lanes a key.
+// Each query head's softcapped, scaled score of each key: a dot product and a sum of its lanes a key. With
+// the head size known, each key row is widened once for all of its KV head's query heads (a bfloat16 pool
+// under a float32 model widens each row once, not once a query head).
 template <int64_t kDim, typename T>
 void scores_of(const Task<T>& t, const float* q, float factor, float softcap, float* scores) {
   const int64_t dim = kDim > 0 ? kDim : t.dim, span = t.span();
+  if constexpr (kDim > 0 && kDim % pagedserve::kLanes == 0) {
+    using pagedserve::kLanes, pagedserve::Vec;
+    constexpr int64_t kVecs = kDim / kLanes;
+    for_each_run(t.table, t.lo, t.len, t.page_size, t.pages, t.row_stride(), t.k_data,
+                 [&](int64_t first, int64_t count, const T* base) {
+                   for (int64_t h = t.h0; h < t.h1; ++h) {
+                     const int64_t r0 = (h - t.h0) * t.group;
+                     for (int64_t i = 0; i < count; ++i) {
+                       const T* key = base + i * t.row_stride() + h * kDim;
+                       Vec k[kVecs];
+                       for (int64_t c = 0; c < kVecs; ++c) k[c] = pagedserve::load(key + c * kLanes);
+                       for (int64_t r = r0; r < r0 + t.group; ++r) {
+                         const float* query = q + r * kDim;
+                         Vec dot = pagedserve::load(query) * k[0];
+                         for (int64_t c = 1; c < kVecs; ++c) dot += pagedserve::load(query + c * kLanes) * k[c];
+                         scores[r * span + (first - t.lo) + i] = score_of(pagedserve::sum_lanes(dot), factor, softcap);
+                       }
+                     }
+                   }
+                 });
+    return;
+  }
   for_each_run(t.table, t.lo, t.len, t.page_size, t.pages, t.row_stride(), t.k_data,
                [&](int64_t first, int64_t count, const T* base) {
                  for (int64_t h = t.h0; h < t.h1; ++h) {

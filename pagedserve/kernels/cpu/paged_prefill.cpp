@@ -13,7 +13,7 @@
 // few vectors of FMAs with no horizontal sums. The tasks go to the threads by their cost (a causal chunk's
 // last block sees the most keys), longest first.
 //
-// Where AMX runs and the pool is bfloat16, AmxBlock takes the tasks instead: its two products run on the
+// Where AMX runs and both the queries and the pool are bfloat16, AmxBlock takes the tasks instead: its two products run on the
 // tiles, on each (sequence, KV head)'s keys copied once into their operands' layout (below).
 
 #include <torch/extension.h>
@@ -433,9 +433,11 @@ class AmxBlock {
   std::vector<float> acc_, scores_, top_, sum_;
 };
 
-// Whether the AMX path takes this layer: a bfloat16 pool, heads a whole number of Q's 32-column tiles.
-bool amx_takes(const torch::Tensor& kv_layer, int64_t dim) {
-  if (kv_layer.scalar_type() != torch::kBFloat16 || dim % 32 != 0) return false;
+// Whether the AMX path takes this layer: bfloat16 queries over a bfloat16 pool, heads a whole number of Q's
+// 32-column tiles.
+bool amx_takes(const torch::Tensor& q, const torch::Tensor& kv_layer, int64_t dim) {
+  const bool bf16_both = q.scalar_type() == torch::kBFloat16 && kv_layer.scalar_type() == torch::kBFloat16;
+  if (!bf16_both || dim % 32 != 0) return false;
   TORCH_CHECK(amx::request_tiles(), "AMX's tiles were asked for, but the kernel does not grant this process them");
   return true;
 }
@@ -496,7 +498,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tens
     return ((start_of[task.seq] + task.first) * shape.q_heads + task.head * shape.group) * shape.dim;
   };
 #if defined(__x86_64__)
-  if (amx && amx_takes(kv_layer, shape.dim)) {  // q is bfloat16 as the pool is, and so is the output
+  if (amx && amx_takes(q, kv_layer, shape.dim)) {  // the output is bfloat16 as q is
     auto out = torch::empty_like(q);
     const bf16* q_data = q.data_ptr<bf16>();
     bf16* out_data = out.data_ptr<bf16>();
