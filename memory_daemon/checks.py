@@ -116,6 +116,12 @@ class RequestChecks:
                 f"{name} must be between 0 and the pool's {self.usable_pages} pages, got {value}"
             )
 
+    def _check_chain(self, keys: Sequence[bytes]) -> None:
+        """A chain of keys (a lookup's, a prefetch's, a pin's): no longer than the pool; each key sound."""
+        if len(keys) > self.usable_pages:
+            raise InvalidArgument(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
+        self._check_keys(keys)
+
     @staticmethod
     def _check_keys(keys: Iterable[bytes]) -> None:
         for key in keys:

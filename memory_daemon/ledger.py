@@ -220,7 +220,7 @@ class PageLedger(RequestChecks):
         published = [item.page for item in items]
         self._check_keys([item.key for item in items] + [item.parent for item in items if item.parent])
         for request in pin:
-            self._check_keys(request.keys)
+            self._check_chain(request.keys)
             check_ttl(request.ttl_s)
             check_tenant(request.tenant)
         self._check_leased_by(lease, published, "publish")
@@ -253,9 +253,7 @@ class PageLedger(RequestChecks):
 
     def lookup(self, lease: Lease, keys: Sequence[bytes]) -> list[int]:
         """The longest cached run of pages for a key chain, with a reference taken on each for lease."""
-        if len(keys) > self.usable_pages:
-            raise InvalidArgument(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
-        self._check_keys(keys)
+        self._check_chain(keys)
         pages: list[int] = []
         now = self._clock()
         for key in keys:
@@ -287,7 +285,7 @@ class PageLedger(RequestChecks):
     def promotable(self, model_id: str, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of a chain that the lower tier holds and the pool lacks, up to where neither has one:
         what a prefetch reads (off the event loop) before `admit_promoted`."""
-        self._check_keys(keys)
+        self._check_chain(keys)
         found = []
         for key in keys:
             if self.index.get(model_id, key) is not None:

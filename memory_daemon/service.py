@@ -151,8 +151,6 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     ) -> memory_pb2.PrefetchResponse:
         pool, lease = self._find(request.lease_id)
         ledger, keys = pool.ledger, list(request.keys)
-        if len(keys) > ledger.usable_pages:
-            raise InvalidArgument(f"{len(keys)} keys is more than the pool's {ledger.usable_pages} pages")
         # What another prefetch is reading already is left to it: the lookup waits for both.
         marks = {
             key: mark
