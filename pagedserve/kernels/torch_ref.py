@@ -102,10 +102,8 @@ class TorchBackend:
         self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         slots = kv_layer.view(2, -1, *kv_layer.shape[3:])  # [2, P * B, Hkv, D]
-        k, v = (
-            k.to(kv_layer.dtype),
-            v.to(kv_layer.dtype),
-        )  # rounded, where the pool is narrower (--kv-cache-dtype)
+        # Rounded to the pool's dtype, where it is narrower than the model's (--kv-cache-dtype).
+        k, v = k.to(kv_layer.dtype), v.to(kv_layer.dtype)
         if not kv_layer.is_cuda and not bool((slot_mapping < 0).any()):  # a free check on the CPU
             slots[0].index_copy_(0, slot_mapping, k)
             slots[1].index_copy_(0, slot_mapping, v)

@@ -35,8 +35,8 @@ class WorkerConfig:
     device: str = setting("cpu", "cpu, cuda or cuda:N", check=device)
     dtype: Literal["auto"] | DType = setting(
         "auto",
-        "the model's and the KV pool's dtype: auto is bfloat16 on CUDA, and on the CPU bfloat16 where it "
-        "runs in hardware (AMX or AVX512-BF16, each tried at start), else float32",
+        "the model's dtype, and the KV pool's unless --kv-cache-dtype: auto is bfloat16 on CUDA, and on the "
+        "CPU bfloat16 where it runs in hardware (AMX or AVX512-BF16, each tried at start), else float32",
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = setting(
         "auto",

@@ -13,8 +13,9 @@
 // few vectors of FMAs with no horizontal sums. The tasks go to the threads by their cost (a causal chunk's
 // last block sees the most keys), longest first.
 //
-// Where AMX runs and both the queries and the pool are bfloat16, AmxBlock takes the tasks instead: its two products run on the
-// tiles, on each (sequence, KV head)'s keys copied once into their operands' layout (below).
+// Where AMX runs and both the queries and the pool are bfloat16, AmxBlock takes the tasks instead: its two
+// products run on the tiles, on each (sequence, KV head)'s keys copied once into their operands' layout
+// (below).
 
 #include <torch/extension.h>
 
