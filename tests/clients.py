@@ -14,6 +14,7 @@ from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.auth import secret_metadata
 from tests.procs import SECRET
+from tests.waiting import wait_until
 
 
 class _CallDetails(
@@ -62,6 +63,16 @@ def every_page_accounted(daemon_address: str) -> bool:
     counts = pool_counts(daemon_address)
     idle = counts.free_pages + counts.leased_pages + counts.evictable_pages + counts.pinned_pages
     return idle == counts.total_pages and not any(worker.referenced_pages for worker in counts.workers)
+
+
+def wait_for_every_page(daemon_address: str, timeout_s: float = 10.0) -> None:
+    """Wait until `every_page_accounted`: a worker's unrefs and releases reach the daemon from its sender
+    thread, a moment after the worker itself lets go of them."""
+    wait_until(
+        lambda: every_page_accounted(daemon_address),
+        timeout_s,
+        lambda: f"every page back in the daemon's books; it counts {pool_counts(daemon_address)}",
+    )
 
 
 class Scrape:

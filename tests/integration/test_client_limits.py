@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
-from tests.clients import Scrape, every_page_accounted
+from tests.clients import Scrape, wait_for_every_page
 from tests.integration.streams import wait_for_idle_worker
 from tests.procs import Stack, start_stack
 from tests.waiting import wait_until
@@ -97,7 +97,7 @@ def test_a_client_with_300_streams_at_the_best_priority_leaves_room_for_another(
             channel.close()
     wait_until(lambda: admission(stack) == (0, 0), 60, "the hog's calls to end")
     wait_for_idle_worker(stack, timeout_s=60)
-    wait_until(lambda: every_page_accounted(stack.daemon_address), 30, "every page back")
+    wait_for_every_page(stack.daemon_address, 30)
 
 
 @pytest.mark.parametrize("priority", [-1, -(2**31), 1001])

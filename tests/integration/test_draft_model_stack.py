@@ -25,7 +25,7 @@ import pytest
 from pagedserve.plumbing.rpc import wait_for_health
 from pagedserve.v1 import generation_pb2_grpc
 from services.common.default_model import default_model_dir
-from tests.clients import every_page_accounted, pool_counts
+from tests.clients import pool_counts, wait_for_every_page
 from tests.integration.streams import joined
 from tests.integration.test_faults import pid_of
 from tests.integration.test_speculative_stack import SAMPLINGS, Stub, off_and_on, run
@@ -97,4 +97,4 @@ def test_after_the_daemon_restarts_the_draft_model_leases_anew(stack: Stack, stu
     assert any(name.endswith("/draft") for name in leases), leases
     on, (_, drafts, _, accepted) = run(stack, stub, max_tokens=30, temperature=0.0)
     assert drafts > 0 and accepted > 0 and len(joined(on)[1]) == 30  # a new pool: it measures anew
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)

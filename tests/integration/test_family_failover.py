@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
-from tests.clients import Scrape, every_page_accounted, internal_channel, pool_counts
+from tests.clients import Scrape, internal_channel, pool_counts, wait_for_every_page
 from tests.integration.failover_calls import finish, pid_of_worker, start
 from tests.integration.streams import worker_load
 from tests.models import make_model
@@ -70,6 +70,6 @@ def test_a_stream_of_the_family_survives_the_loss_of_its_worker(family: str, tmp
             memory_pb2_grpc.MemoryDaemonStub(daemon).GetStats(
                 memory_pb2.GetStatsRequest(check_invariants=True)
             )
-        wait_until(lambda: every_page_accounted(stack.daemon_address), 30, "every page back")
+        wait_for_every_page(stack.daemon_address, 30)
     finally:
         stack.stop()

@@ -20,7 +20,7 @@ from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.clients import every_page_accounted, internal_channel, pool_counts
+from tests.clients import internal_channel, pool_counts, wait_for_every_page
 from tests.models import make_model
 from tests.procs import DaemonProcess, Stack, start_daemon, start_stack
 from tests.waiting import wait_until
@@ -124,10 +124,7 @@ def test_fuzzed_generate_requests(stack: Stack) -> None:
     print(f"{PUBLIC_CASES} fuzzed GenerateRequests: {seen}")
     assert seen.get("OK") and seen.get("INVALID_ARGUMENT")  # both sides of validation were reached
     assert healthy(stack.address) and healthy(stack.worker_address(), internal_channel)
-    # A worker drops its references on shared pages in the background: wait for them to reach the daemon.
-    wait_until(
-        lambda: every_page_accounted(stack.daemon_address), 10, "every page back in the daemon's books"
-    )
+    wait_for_every_page(stack.daemon_address)
 
 
 REFUSALS = (C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.PERMISSION_DENIED, C.RESOURCE_EXHAUSTED)

@@ -24,7 +24,7 @@ import pytest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.common.default_model import default_model_dir
-from tests.clients import Scrape, every_page_accounted
+from tests.clients import Scrape, wait_for_every_page
 from tests.integration.gateway import Gateway
 from tests.integration.streams import wait_for_idle_worker
 from tests.procs import REPO, Stack, free_port, start_stack
@@ -180,7 +180,7 @@ def test_a_client_that_goes_away_mid_stream_gets_its_pages_freed(
     stream.close()
     for stack in stacks:
         wait_for_idle_worker(stack, timeout_s=15)
-        assert every_page_accounted(stack.daemon_address)
+        wait_for_every_page(stack.daemon_address)
 
 
 def test_bad_requests_get_4xx_with_a_message_and_every_page_stays_accounted(
@@ -208,7 +208,7 @@ def test_bad_requests_get_4xx_with_a_message_and_every_page_stays_accounted(
     assert "does not compile" in str(refused.value)
     for stack in stacks:
         wait_for_idle_worker(stack)
-        assert every_page_accounted(stack.daemon_address)
+        wait_for_every_page(stack.daemon_address)
 
 
 def test_the_bench_sends_a_stack_and_the_gateway_the_same_tokens(

@@ -25,7 +25,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
-from tests.clients import Scrape, every_page_accounted
+from tests.clients import Scrape, wait_for_every_page
 from tests.h2_attacker import (
     CONTINUATION,
     DATA,
@@ -147,7 +147,7 @@ def test_rapid_reset_leaves_the_frontend_serving_with_bounded_memory(stack: Stac
     os.kill(pid, 0)  # alive, and still the stack's frontend
     assert stack.pid("frontend") == pid
     wait_for_idle_worker(stack, timeout_s=60)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
     tokens, answer_s = greedy_tokens(stack)
     settled = rss_mib(pid)
     print(f"  then: a normal Generate in {answer_s:.2f}s, RSS {settled:.0f} MiB")

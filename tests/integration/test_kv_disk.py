@@ -23,7 +23,7 @@ from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
-from tests.clients import Scrape, every_page_accounted, internal_channel
+from tests.clients import Scrape, internal_channel, wait_for_every_page
 from tests.integration.kv_agent import SHAPE
 from tests.procs import DaemonProcess, KVAgent, start_daemon, start_stack
 from tests.second_user import run_as_second_user
@@ -281,6 +281,6 @@ def test_a_prompt_served_from_disk_gives_the_same_greedy_tokens(run_dir: Path, d
             # Each page's file read once: a lookup that comes while the request's prefetch reads them waits.
             page_file = 30 * 2 * 16 * 3 * 64 * 4 + 1024  # SmolLM2's page in float32, and a header's room
             assert tier("read_bytes") <= cached_pages * page_file
-            wait_until(lambda: every_page_accounted(daemon["address"]), 10, "every page back in the books")
+            wait_for_every_page(daemon["address"])
     finally:
         assert stack.stop() == 0, stack.log()

@@ -12,7 +12,7 @@ from pagedserve.plumbing.rpc import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
-from tests.clients import every_page_accounted, internal_channel
+from tests.clients import internal_channel, wait_for_every_page
 from tests.models import make_model
 from tests.procs import start_stack
 
@@ -59,6 +59,6 @@ def test_a_thousand_concurrent_streams(tmp_path: Path) -> None:
         with internal_channel(stack.worker_address()) as channel:
             load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
         assert (load.running, load.waiting, load.kv_pages_in_use) == (0, 0, 0)
-        assert every_page_accounted(stack.daemon_address)
+        wait_for_every_page(stack.daemon_address)
     finally:
         assert stack.stop() == 0

@@ -20,7 +20,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from services.common.default_model import default_model_dir
-from tests.clients import Scrape, every_page_accounted
+from tests.clients import Scrape, wait_for_every_page
 from tests.integration.streams import joined, stream, user, wait_for_idle_worker, worker_load
 from tests.procs import Stack, module_stack
 from tests.waiting import wait_until
@@ -71,7 +71,7 @@ def tokenize(stub: Stub, text: str) -> list[int]:
 
 def pages_all_back(stack: Stack) -> None:
     wait_for_idle_worker(stack)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 def test_greedy_samples_are_all_the_one_greedy_output(stack: Stack, stub: Stub) -> None:

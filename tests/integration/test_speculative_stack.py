@@ -19,7 +19,7 @@ import pytest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
-from tests.clients import Scrape, every_page_accounted
+from tests.clients import Scrape, wait_for_every_page
 from tests.integration.streams import joined, stream, user, wait_for_idle_worker
 from tests.procs import REPO, Stack, module_stack
 
@@ -100,7 +100,7 @@ def off_and_on(
         assert [t for t, _ in on_logprobs] == [t for t, _ in off_logprobs] == joined(on)[1]
         assert [v for _, v in on_logprobs] == pytest.approx([v for _, v in off_logprobs], abs=1e-4)
     assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens == len(joined(on)[1])
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
     return off_steps, on_steps, drafts, draft_tokens, accepted
 
 
@@ -145,7 +145,7 @@ def test_grammars_and_penalties_see_each_drafted_position(
     assert drafts > 0 and accepted > 0
     if "structured" in sampling:
         assert json.loads(joined(on)[0]).keys() == RECORD.keys()
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 def test_a_stop_string_inside_a_drafted_run_ends_text_and_tokens_where_speculation_off_does(
@@ -161,7 +161,7 @@ def test_a_stop_string_inside_a_drafted_run_ends_text_and_tokens_where_speculati
     assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens == len(tokens)
     # Every draft was kept whole (6 tokens a step), so the last response, shorter, was cut at the stop.
     assert drafts > 0 and accepted == 5 * drafts and len(on[-1].token_ids) < 6
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 @pytest.mark.parametrize(

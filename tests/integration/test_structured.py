@@ -22,7 +22,7 @@ from services.common.default_model import default_model_dir
 from services.common.structured import Constraint
 from services.worker.core.grammar import Grammars, fill_masks, mask_logits
 from services.worker.models.registry import load_spec
-from tests.clients import every_page_accounted
+from tests.clients import wait_for_every_page
 from tests.integration.streams import wait_for_idle_worker
 from tests.procs import Stack, module_stack
 
@@ -179,7 +179,7 @@ def assert_still_serving(stack: Stack, stub: generation_pb2_grpc.GenerationStub)
     answer = generate(stub, Case("Say hello.", max_tokens=8))
     assert answer.text and answer.finish_reason in (STOP, LENGTH)
     wait_for_idle_worker(stack)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 def test_a_mixed_batch_matches_every_constraint_and_leaves_free_rows_alone(

@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.worker.v1 import worker_pb2
-from tests.clients import every_page_accounted
+from tests.clients import wait_for_every_page
 from tests.integration.streams import wait_for_idle_worker, worker_load
 from tests.integration.worker_stream import WorkerStream, submit_of, tokens
 from tests.procs import Stack, module_stack
@@ -70,7 +70,7 @@ def test_requests_without_a_grammar_pass_a_slow_compile(stack: Stack, stream: Wo
     # A compile that held up the worker's event loop would leave room for one overdue beat at most.
     assert events[free_done:constrained].count("heartbeat") >= 2, events
     wait_for_idle_worker(stack)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 def test_a_request_aborted_during_the_compile_leaves_nothing_behind(
@@ -96,4 +96,4 @@ def test_a_request_aborted_during_the_compile_leaves_nothing_behind(
     load = worker_load(stack)
     assert (load.running, load.waiting) == (0, 0), load
     wait_for_idle_worker(stack)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)

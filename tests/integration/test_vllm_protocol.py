@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
-from tests.clients import every_page_accounted, pool_counts
+from tests.clients import pool_counts, wait_for_every_page
 from tests.integration.streams import wait_for_idle_worker
 from tests.procs import Stack, free_port, module_stack
 from tests.waiting import wait_until
@@ -131,7 +131,7 @@ def test_abort_ends_the_stream_and_frees_its_pages(stack: Stack, gateway, ours) 
     last = list(call)[-1]
     assert last.complete.finish_reason == "abort"
     wait_for_idle_worker(stack)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 def test_closing_the_stream_frees_its_pages(stack: Stack, vllm, ours) -> None:  # type: ignore[no-untyped-def]
@@ -139,7 +139,7 @@ def test_closing_the_stream_frees_its_pages(stack: Stack, vllm, ours) -> None:  
     next(call)
     call.cancel()
     wait_for_idle_worker(stack)
-    assert every_page_accounted(stack.daemon_address)
+    wait_for_every_page(stack.daemon_address)
 
 
 def test_constraints_bias_and_prompt_logprobs_equal_pagedserves_own(vllm, ours) -> None:  # type: ignore[no-untyped-def]

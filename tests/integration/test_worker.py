@@ -17,7 +17,7 @@ from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
-from tests.clients import every_page_accounted, internal_channel, pool_counts
+from tests.clients import internal_channel, pool_counts, wait_for_every_page
 from tests.integration.worker_stream import WorkerStream, submit_of, tokens
 from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
 from tests.waiting import wait_until
@@ -129,7 +129,7 @@ def test_abort_and_a_dropped_stream_return_every_page(
         pass
     dropped.close()  # the frontend goes away mid-stream
     wait_until_idle(stream.stub)
-    assert every_page_accounted(daemon.address)
+    wait_for_every_page(daemon.address)
 
 
 def test_bad_submits_get_errors_and_the_worker_keeps_serving(
