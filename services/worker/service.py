@@ -225,4 +225,5 @@ def worker_info(
         device=config.device,
         page_size=config.page_size,
         worker_name=config.name,
+        kv_cache_dtype=config.kv_cache_dtype,
     )

@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from memory_daemon.shape import DType
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
@@ -94,8 +96,15 @@ def test_a_stack_serves_the_precision_asked_for(
                 for r in client.stream(token_ids=prompt, max_tokens=TOKENS, temperature=0.0)
                 for t in r.token_ids
             ]
+        with grpc.insecure_channel(stack.address) as channel:
+            server = vllm_engine_pb2_grpc.VllmEngineStub(channel).GetServerInfo(
+                vllm_engine_pb2.GetServerInfoRequest()
+            )
     finally:
         assert stack.stop() == 0, stack.log()
+    # vLLM's meaning: auto is the model's dtype, anything else a pool of its own.
+    asked = flags[flags.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in flags else "auto"
+    assert server.kv_cache_dtype == asked
     assert says in stack.log()
     assert f"{kv_dtype}, 16 tokens a page" in stack.log()  # the daemon's pool
     found = cpu_features()

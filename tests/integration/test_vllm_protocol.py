@@ -201,6 +201,7 @@ def test_model_server_and_load_facts(vllm) -> None:  # type: ignore[no-untyped-d
     assert model.model_type == "llama" and list(model.architectures) == ["LlamaForCausalLM"]
     server = vllm.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
     assert server.server_type == "vllm-grpc" and server.block_size == 16 and server.uptime_seconds > 0
+    assert server.kv_cache_dtype == "auto" and server.model_dtype.startswith("torch.")
     loads = vllm.GetLoads(vllm_engine_pb2.GetLoadsRequest())
     assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens > 0
     assert vllm.HealthCheck(vllm_engine_pb2.HealthCheckRequest()).healthy
