@@ -117,7 +117,7 @@ class RequestChecks:
             )
 
     def _check_chain(self, keys: Sequence[bytes]) -> None:
-        """A chain of keys (a lookup's, a prefetch's, a pin's): no longer than the pool; each key sound."""
+        """A chain of keys (a lookup's, a prefetch's): no longer than the pool; each key sound."""
         if len(keys) > self.usable_pages:
             raise InvalidArgument(f"{len(keys)} keys is more than the pool's {self.usable_pages} pages")
         self._check_keys(keys)

@@ -175,3 +175,13 @@ def test_renewing_a_hot_pin_keeps_the_expiry_heap_small(ledger: PageLedger, now:
     assert len(ledger.pins._heap) <= 1024 + 4
     now[0] += 60.1
     assert ledger.counts().pinned_pages == 0
+
+
+def test_a_pin_may_name_more_keys_than_the_pool_has_pages(ledger: PageLedger) -> None:
+    """A pin names every layer group's keys, and a sliding window's pages leave the pool as its sequence
+    runs: keys the pool no longer has are skipped, never refused (a refusal would drop the whole update)."""
+    worker = ledger.open_lease("w", "m")
+    gone = page_keys(list(range(1000, 1000 + 16 * 40)), page_size=16)  # 40 keys, for a 16-page pool
+    cache(ledger, worker, 2, pin=PinRequest([*gone, *KEYS[:2]], 30, "alice"))
+    assert ledger.counts().pinned_pages == 2
+    ledger.check_invariants()
