@@ -78,13 +78,14 @@ class ModelFacts:
             uptime_seconds=time.time() - self.started,
             server_type="vllm-grpc",  # the protocol spoken, which is what SMG checks
             data_parallel_size=1,
+            kv_cache_dtype="auto",  # until a worker says otherwise
             max_num_seqs=max_running,
         )
         worker = router.worker_info()
         if worker is not None:
             info.block_size = worker.page_size
             info.model_dtype = f"torch.{worker.dtype}"
-            info.kv_cache_dtype = worker.kv_cache_dtype
+            info.kv_cache_dtype = worker.kv_cache_dtype or "auto"  # a worker from before the field
         return info
 
     def tokenizer_chunks(self) -> Iterator[common_pb2.GetTokenizerChunk]:
