@@ -5,8 +5,8 @@ are int8 or float8.
 The torch reference gathers every decoding sequence's pages into a copy, every layer, every step, and
 zeroes the stale tail of each last page so that a masked softmax cannot meet a NaN; on a CPU that costs
 more than the attention itself. `pagedserve/kernels/cpu/paged_decode.cpp` and `paged_prefill.cpp` read each K
-and V row where it lies, only up to the sequence's length; where AMX runs and the pool is bfloat16, the
-prefill's two products run on its tiles. `pagedserve/kernels/cpu/elementwise.cpp` does
+and V row where it lies, only up to the sequence's length; where AMX runs and the queries and the pool are
+bfloat16, the prefill's two products run on its tiles. `pagedserve/kernels/cpu/elementwise.cpp` does
 RMSNorm (with the residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for
 every operator.
 

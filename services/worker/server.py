@@ -64,7 +64,8 @@ def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
 
 
 def model_dtype(config: WorkerConfig, backend: KernelBackend) -> tuple[torch.dtype, str]:
-    """The dtype the model and its pool run in, and why: --dtype, or what auto picks for the device."""
+    """The dtype the model runs in (and its pool, unless --kv-cache-dtype), and why: --dtype, or what auto
+    picks for the device."""
     if config.dtype != "auto":
         return getattr(torch, config.dtype), f"{config.dtype}, as --dtype says"
     if config.device != "cpu":

@@ -21,7 +21,7 @@ inline void check_cpu(const torch::Tensor& t, const char* name, torch::ScalarTyp
                     c10::getDtypeNames(t.scalar_type()).first);
 }
 
-// t is on the CPU and float32 or bfloat16: a model's dtype there, which the ops compute in float32.
+// t is on the CPU and float32 or bfloat16 (a model's or a KV pool's dtype), which the ops compute in float32.
 inline void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, not ", t.device());
   TORCH_CHECK_VALUE(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,

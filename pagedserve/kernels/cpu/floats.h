@@ -1,6 +1,6 @@
 // The storage types the CPU ops read and write, and their conversions to the float32 every op computes in.
 //
-// Activations and the KV pool are float32 or bfloat16 (the model's dtype); a linear layer's weight may also be
+// Activations and the KV pool are float32 or bfloat16 (a float32 model may keep a bfloat16 pool); a linear layer's weight may also be
 // int8 or float8 (e4m3), with a float32 scale per output row. bfloat16 is the top half of a float32, so
 // widening it is a shift; narrowing rounds to nearest even, as torch's .to(torch.bfloat16) does. Each
 // conversion has a scalar form and a vector form of GCC's vector extensions, as wide as the build's CPU
