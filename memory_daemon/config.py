@@ -41,13 +41,21 @@ class DaemonConfig:
     kv_disk: str | None = setting(
         None,
         "a folder for the pages the pools evict, read back on a prefix hit and kept across restarts "
-        "(a private folder: made 0700 if missing); CPU pools only in this version",
+        "(a private folder: made 0700 if missing)",
         metavar="DIR",
     )
     kv_disk_bytes: int = setting(
         0,
         "the disk tier's budget, e.g. 20GiB (needed with --kv-disk)",
         flag="--kv-disk-size",
+        convert=parse_bytes,
+        metavar="SIZE",
+    )
+    kv_host_bytes: int = setting(
+        0,
+        "host memory for the pages the pools evict, between the pools and --kv-disk, e.g. 16GiB: pinned on "
+        "CUDA, the daemon's own (outside --shm-dir) on a CPU; not kept across restarts",
+        flag="--kv-host-memory",
         convert=parse_bytes,
         metavar="SIZE",
     )
@@ -79,10 +87,6 @@ class DaemonConfig:
             raise InvalidArgument(
                 f"--tenant-pin-share {self.tenant_pin_share} is more than --pin-share {self.pin_share}, "
                 "which bounds all tenants' pins together"
-            )
-        if self.kv_disk is not None and self.device_kind == "cuda":
-            raise InvalidArgument(
-                "--kv-disk takes CPU pools in this version; a CUDA daemon keeps its tier in GPU memory alone"
             )
 
     @property

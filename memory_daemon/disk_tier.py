@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from memory_daemon.prefix import MAX_KEY_BYTES
+from memory_daemon.prefix_events import DISK, Removed, Stored
 from pagedserve.plumbing.private import HeldFolder
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class StoredPage(NamedTuple):
     key: bytes
     parent: bytes
     token_ids: tuple[int, ...]
-    payload: bytes
+    payload: bytes | memoryview  # a memoryview of pinned host memory, for a CUDA pool's (tiers.py)
 
 
 class Kept(NamedTuple):
@@ -105,8 +106,8 @@ class DiskTier:
         self._pending: dict[str, tuple[bytes, StoredPage]] = {}  # put, not yet written: name -> (owner, page)
         self._pending_bytes = 0
         self._identity: dict[str, Kept] = {}  # file name -> whose page it is, for events
-        # owner -> keys let go since its last `take_removed`, kept only for owners that ask (those attached)
-        self._removed: dict[bytes, list[bytes]] = {}
+        # owner -> its pages stored and let go since its last `take_changes`, kept only for owners that ask
+        self._changes: dict[bytes, list[Stored | Removed]] = {}
         self._counts = dict.fromkeys(
             ("demotions", "promotions", "bytes_written", "bytes_read", "dropped", "rejected"), 0
         )
@@ -159,6 +160,8 @@ class DiskTier:
             self._size_of[name] = size
             self._bytes += size
             self._identity[name] = Kept(owner, page.key, page.parent, page.token_ids)
+            if owner in self._changes:
+                self._changes[owner].append(Stored(page.key, page.parent, page.token_ids, DISK))
             self._pending[name] = (owner, page)
             self._pending_bytes += size
         if self._writer is None:
@@ -215,11 +218,11 @@ class DiskTier:
         with self._lock:
             return [kept for name in self._size_of if (kept := self._identity[name]).owner == owner]
 
-    def take_removed(self, owner: bytes) -> list[bytes]:
-        """The keys of owner's pages let go (for room, refused, discarded) since the last call."""
+    def take_changes(self, owner: bytes) -> list[Stored | Removed]:
+        """owner's pages stored here and let go (for room, refused, discarded) since the last call."""
         with self._lock:
-            taken = self._removed.get(owner, [])
-            self._removed[owner] = []
+            taken = self._changes.get(owner, [])
+            self._changes[owner] = []
             return taken
 
     def discard_owner(self, owner: bytes) -> int:
@@ -317,8 +320,8 @@ class DiskTier:
 
     def _forget_identity(self, name: str) -> None:
         identity = self._identity.pop(name, None)
-        if identity is not None and identity.owner in self._removed:
-            self._removed[identity.owner].append(identity.key)
+        if identity is not None and identity.owner in self._changes:
+            self._changes[identity.owner].append(Removed(identity.key, DISK))
 
 
 class Located(NamedTuple):

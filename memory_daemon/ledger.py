@@ -7,10 +7,10 @@ Every usable page is in exactly one state:
   so that a lease's end drops exactly its own references. When the count falls to zero the page stays
   cached, evictable least recently used first, if it is in the index, and is freed otherwise (a page whose
   key was already cached by another page).
-With a lower tier (`tier`, memory_daemon/tiers.py: the disk), an evicted page's bytes are demoted there
-before the page is freed, and a lookup that misses the pool goes on in the tier: each key found there is
-promoted into a free page (evicting, and so demoting, an idle one if need be), indexed again and returned
-like any hit; its publisher is then the tier (`Publishers.record_promoted`).
+With a lower tier (`tier`, memory_daemon/tiers.py: host memory, disk), an evicted page's bytes are demoted
+there before the page is freed, and a lookup that misses the pool goes on in the tier: each key found
+there is promoted into a free page (evicting, and so demoting, an idle one if need be), indexed again and
+returned like any hit; its publisher is then the tier (`Publishers.record_promoted`).
 A cached page may be pinned (`pins`: a request's cache_ttl_seconds): it is then never evicted, and so never
 idle in the index's LRU, until its last pin expires; pins are budgeted per tenant and per pool.
 Page 0 is the null page: never leased, so block tables can pad with it. Each indexed page's publisher is
@@ -27,44 +27,20 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from memory_daemon.checks import RequestChecks
 from memory_daemon.disk_tier import Kept, StoredPage
 from memory_daemon.lease import NULL_PAGE, Lease, PageState
 from memory_daemon.pins import Pins
 from memory_daemon.prefix import PrefixIndex, Published
-from memory_daemon.prefix_events import DISK, ModelEvents, Stored
+from memory_daemon.prefix_events import ModelEvents, Stored
 from memory_daemon.publishers import Publishers
 from memory_daemon.refill import RefillPolicy, RefillSettings
 from memory_daemon.stats import PoolCounts, TenantPins
+from memory_daemon.tiers import LowerTier
 from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument
 from pagedserve.plumbing.pin_limits import check_tenant, check_ttl
-
-
-class LowerTier(Protocol):
-    """Where evicted pages go and hits come back from (memory_daemon/tiers.py's PoolTier)."""
-
-    def demote(self, model_id: str, key: bytes, page: int, parent: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Keep the page's bytes under key; whether the tier holds it now."""
-
-    def has(self, model_id: str, key: bytes) -> bool: ...
-
-    def promote(self, model_id: str, key: bytes, page: int) -> StoredPage | None:
-        """Copy the page kept under key into page; what it is, or None if the tier has it no more."""
-
-    def install(self, page: int, stored: StoredPage) -> None:
-        """Copy a page read from the tier (a prefetch's) into page."""
-
-    def forget(self, model_id: str, key: bytes) -> None: ...
-
-    def flush(self, model_id: str) -> int: ...
-
-    def take_removed(self, model_id: str) -> list[bytes]:
-        """The keys of model_id's pages the tier let go since the last call (for the index's events)."""
-
-    def kept(self, model_id: str) -> list[Kept]:
-        """Every page of model_id's the tier keeps (a restarted daemon's, too), least recently used first."""
 
 
 class PinRequest(NamedTuple):
@@ -311,7 +287,7 @@ class PageLedger(RequestChecks):
             if not self._free:
                 break
             page = self._free.pop()
-            self.tier.install(page, stored)
+            self.tier.install(model_id, page, stored)
             self._index_promoted(model_id, page, stored)
             self.index.mark_idle(page)
             admitted += 1
@@ -347,14 +323,14 @@ class PageLedger(RequestChecks):
         return self._uncache(self.index.idle_pages(model_id) + pinned)
 
     def keep_cached(self) -> None:
-        """Copy every cached page into the lower tier, least recently used first, so that the next daemon
-        on the tier serves them (a graceful stop's); the pool is left as it was."""
+        """Copy every cached page onto the lower tier's disk, least recently used first, so that the next
+        daemon on it serves them (a graceful stop's); the pool is left as it was."""
         assert self.tier is not None, "a pool without a lower tier keeps nothing"
         idle = self.index.idle_pages_in_order()
         busy = set(self.index.pages()) - set(idle)  # referenced or pinned: in use, so the most recent
         for page in [*idle, *(page for page in self.index.pages() if page in busy)]:
             entry = self.index.entry(page)
-            self.tier.demote(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
+            self.tier.persist(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
 
     def counts(self) -> PoolCounts:
         self._expire_pins()
@@ -415,16 +391,21 @@ class PageLedger(RequestChecks):
         return events
 
     def _commit(self) -> None:
-        """End one call's batch of index events, with the pages the lower tier let go meanwhile; the first
-        for a model also announces every page the tier kept for it (a warm restart's), parents first."""
+        """End one call's batch of index events, with the pages the lower tier stored and let go meanwhile;
+        the first for a model also announces every page the tier kept for it (a warm restart's), parents
+        first."""
         if self.tier is not None:
             for model_id, events in self.index.events.items():
                 if model_id not in self._announced:
                     self._announced.add(model_id)
-                    for kept in parents_first(self.tier.kept(model_id)):
-                        events.stored(Stored(kept.key, kept.parent, kept.token_ids, DISK))
-                for key in self.tier.take_removed(model_id):
-                    events.removed(key, DISK)
+                    for medium, pages in self.tier.kept(model_id).items():
+                        for kept in parents_first(pages):
+                            events.stored(Stored(kept.key, kept.parent, kept.token_ids, medium))
+                for change in self.tier.take_changes(model_id):
+                    if isinstance(change, Stored):
+                        events.stored(change)
+                    else:
+                        events.removed(change.key, change.medium)
         self.index.commit()
 
     def _pin(self, model_id: str, request: PinRequest) -> None:
@@ -445,13 +426,9 @@ class PageLedger(RequestChecks):
             if page is None:
                 return
             entry = self.index.entry(page)
-            on_disk = self.tier is not None and self.tier.demote(
-                entry.model_id, entry.key, page, entry.parent, entry.token_ids
-            )
+            if self.tier is not None:  # its events come with the tier's changes, at the commit
+                self.tier.demote(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
             self.index.remove(page)
-            if on_disk:
-                events = self.index.events_of(entry.model_id)
-                events.stored(Stored(entry.key, entry.parent, entry.token_ids, DISK))
             self.publishers.forget(page)
             self._free_page(page)
             self.evictions += 1

@@ -10,9 +10,9 @@ Per pool, labelled `pool` (its id): `pagedserve_kv_pages{state}` for free, lease
 evictable and pinned pages, which are subsets of shared; `pagedserve_kv_workers`, the attached leases; and
 counters for evictions, prefix lookups, lookups that hit, pages queried and pages hit, and pages left
 unpinned for want of pin budget. Tenants are not labels (a salt names one, so they are unbounded): GetStats
-lists each tenant's pinned pages. With `--kv-disk`, the disk
-tier's pages, bytes and budget, and counters of its demotions, promotions, bytes moved, the seconds
-promotions took, and pages dropped or files rejected (`pagedserve_kv_tier_*{tier="disk"}`).
+lists each tenant's pinned pages. With `--kv-host-memory` or `--kv-disk`, each tier's pages, bytes and
+budget, and counters of its demotions, promotions, bytes moved, the seconds promotions took, and pages
+dropped or files rejected (`pagedserve_kv_tier_*{tier="host"}`, `{tier="disk"}`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _COUNTERS = (
 _STATES = ("free", "leased", "shared", "cached", "evictable", "pinned")
 
 
-# The disk tier's (metric name without _total, TierCounts field, help)
+# The tiers' (metric name without _total, TierCounts field, help)
 _TIER_GAUGES = (
     ("pagedserve_kv_tier_pages", "pages", "pages kept in the tier"),
     ("pagedserve_kv_tier_bytes", "bytes", "bytes the tier's pages take"),
@@ -58,29 +58,33 @@ _TIER_COUNTERS = (
     ("pagedserve_kv_tier_promotions", "promotions", "pages read back into a pool on a prefix hit"),
     ("pagedserve_kv_tier_written_bytes", "bytes_written", "bytes written by demotions"),
     ("pagedserve_kv_tier_read_bytes", "bytes_read", "bytes read by promotions"),
-    ("pagedserve_kv_tier_promote_seconds", "promote_seconds", "seconds promotions took to read and check"),
+    (
+        "pagedserve_kv_tier_promote_seconds",
+        "promote_seconds",
+        "seconds promotions took to read (or copy) and check",
+    ),
     ("pagedserve_kv_tier_dropped", "dropped", "pages the tier let go to stay in its budget"),
     ("pagedserve_kv_tier_rejected", "rejected", "files refused unread: truncated, corrupt, foreign, planted"),
 )
 
 
 class PoolSnapshots(Collector):
-    """The latest counts of every pool and of the disk tier, taken on the event loop and read by the scrape
-    thread."""
+    """The latest counts of every pool and of each tier below them, taken on the event loop and read by the
+    scrape thread."""
 
     def __init__(
         self,
         read_counts: Callable[[], list[tuple[int, PoolCounts]]],
-        read_tier: Callable[[], TierCounts | None] = lambda: None,
+        read_tiers: Callable[[], dict[str, TierCounts]] = dict,
     ) -> None:
         self._read_counts = read_counts
-        self._read_tier = read_tier
+        self._read_tiers = read_tiers
         self.latest: tuple[tuple[int, PoolCounts], ...] = ()
-        self.latest_tier: TierCounts | None = None
+        self.latest_tiers: dict[str, TierCounts] = {}
 
     def refresh(self) -> None:
         self.latest = tuple(self._read_counts())
-        self.latest_tier = self._read_tier()
+        self.latest_tiers = self._read_tiers()
 
     async def run(self, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
         """Refresh forever (run it as a task on the daemon's loop; cancel it to stop)."""
@@ -90,20 +94,20 @@ class PoolSnapshots(Collector):
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families(())
-        yield from self._tier_families(None)
+        yield from self._tier_families({})
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families(self.latest)
-        yield from self._tier_families(self.latest_tier)
+        yield from self._tier_families(self.latest_tiers)
 
     @staticmethod
-    def _tier_families(counts: TierCounts | None) -> Iterator[Metric]:
-        """Labelled tier="disk"; without a tier, the families and no samples."""
+    def _tier_families(tiers: dict[str, TierCounts]) -> Iterator[Metric]:
+        """Labelled tier="host" or "disk"; without a tier, the families and no samples."""
         for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
             for name, field, text in table:
                 family = kind(name, text, labels=["tier"])
-                if counts is not None:
-                    family.add_metric(["disk"], getattr(counts, field))
+                for medium, counts in tiers.items():
+                    family.add_metric([medium], getattr(counts, field))
                 yield family
 
     @staticmethod

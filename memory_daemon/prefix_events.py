@@ -3,9 +3,10 @@
 Every announced page that enters or leaves the index is recorded as it happens (`PrefixIndex` calls
 `stored` and `removed`), and `commit` closes the changes of one ledger call into one numbered batch; a page
 published without its tokens (one of a salted prompt, which only that salt may find) is not announced.
-Each change names its medium (the pool, or the disk tier below it), since a lookup finds a page in either:
-a page the pool evicts into the tier leaves the pool and is stored on disk, one promoted back is stored
-in the pool again (and stays on disk), and one the tier lets go leaves the disk. A
+Each change names its medium (the pool, or the host-memory or disk tier below it), since a lookup finds a
+page in any: a page the pool evicts into a tier leaves the pool and is stored there, one promoted back is
+stored in the pool again (and stays in the tier), and one a tier lets go leaves it (from host memory, it
+may be stored on disk). A
 model's numbers count up by one from the daemon's start time in microseconds, so a restarted daemon's
 always number above an old one's, and its first batch says that nothing is cached (cleared).
 A new subscriber (after 0) first gets the whole state as one batch, numbered as the last: cleared, then every
@@ -29,7 +30,8 @@ HISTORY_BATCHES = 4096
 MAX_BEHIND = 4096
 
 
-POOL, DISK = "pool", "disk"  # a cached page's medium: the daemon's pool (device memory), or the disk tier
+# A cached page's medium: the daemon's pool (device memory), the host-memory tier, or the disk tier.
+POOL, HOST, DISK = "pool", "host", "disk"
 
 
 @dataclass(frozen=True)

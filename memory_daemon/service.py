@@ -18,13 +18,15 @@ import grpc
 from memory_daemon.config import DaemonConfig
 from memory_daemon.disk_tier import DiskTier, TierCounts
 from memory_daemon.export import CudaStorage, ShmStorage, Storage
+from memory_daemon.host_tier import HostTier
 from memory_daemon.lease import Lease as WorkerLease
 from memory_daemon.ledger import PageLedger, PinRequest
 from memory_daemon.pool import Pool
 from memory_daemon.prefix import Published
+from memory_daemon.prefix_events import DISK, HOST
 from memory_daemon.shape import PoolShape
 from memory_daemon.stats import PoolCounts
-from memory_daemon.tiers import PageCopier, PoolTier
+from memory_daemon.tiers import CudaPageCopier, PageCopier, PoolTier, ShmPageCopier
 from memory_daemon.wire import (
     batch_to_pb,
     descriptor_to_pb,
@@ -52,6 +54,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self._pool_by_lease: dict[str, Pool] = {}
         self._events: dict[str, asyncio.Queue[memory_pb2.AttachEvent]] = {}
         self._disk = DiskTier(config.kv_disk, config.kv_disk_bytes) if config.kv_disk else None
+        self._host = HostTier(config.kv_host_bytes) if config.kv_host_bytes else None
         # (pool id, model id, key) -> done when a prefetch that is reading it has installed what it read:
         # a lookup for it waits, rather than read the same file again.
         self._prefetching: dict[tuple[int, str, bytes], asyncio.Future[None]] = {}
@@ -178,8 +181,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
             for pool in self._pools.values():
                 pool.ledger.check_invariants()
         disk = None if self._disk is None else tier_stats_to_pb(self._disk.counts())
+        host = None if self._host is None else tier_stats_to_pb(self._host.counts())
         return memory_pb2.DaemonStats(
-            pools=[pool_stats_to_pb(pool) for pool in self._pools.values()], disk=disk
+            pools=[pool_stats_to_pb(pool) for pool in self._pools.values()], disk=disk, host=host
         )
 
     async def DropPublished(
@@ -222,15 +226,18 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         """Every pool's id and counts (call on the daemon's event loop, like any handler)."""
         return [(pool.pool_id, pool.ledger.counts()) for pool in self._pools.values()]
 
-    def tier_counts(self) -> TierCounts | None:
-        """The disk tier's counts, None without one (call on the daemon's event loop)."""
-        return None if self._disk is None else self._disk.counts()
+    def tier_counts(self) -> dict[str, TierCounts]:
+        """Each tier's counts, by medium (call on the daemon's event loop)."""
+        tiers = {HOST: self._host, DISK: self._disk}
+        return {medium: tier.counts() for medium, tier in tiers.items() if tier is not None}
 
     def close(self) -> None:
-        """A graceful stop: the pools' cached pages go to the disk tier (what waited first), so that the
-        next daemon on it serves them; then the pools go."""
+        """A graceful stop: the host tier's pages and then the pools' cached pages go to the disk tier
+        (what waited first), so that the next daemon on it serves them; then the pools go."""
         if self._disk is not None:
             self._disk.close()
+            for owner, page in self._host.drain() if self._host is not None else ():
+                self._disk.put(owner, page)
             for pool in self._pools.values():
                 if pool.ledger.tier is not None:
                     pool.ledger.keep_cached()
@@ -301,8 +308,8 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         pool_id = len(self._pools) + 1
         storage = self._allocate(pool_id, nbytes)
         tier = None
-        if self._disk is not None and isinstance(storage, ShmStorage):
-            tier = PoolTier(self._disk, PageCopier(storage.memory, shape, num_pages), shape)
+        if self._host is not None or self._disk is not None:
+            tier = PoolTier(self._host, self._disk, self._copier(storage, shape, num_pages), shape)
         ledger = PageLedger(
             num_pages,
             low_watermark=int(self._config.watermark * num_pages),
@@ -323,6 +330,12 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         if self._config.device_kind == "cuda":
             return CudaStorage(cuda_index(self._config.device), nbytes)
         return ShmStorage(Path(self._config.shm_dir), pool_id, nbytes)
+
+    def _copier(self, storage: Storage, shape: PoolShape, num_pages: int) -> PageCopier:
+        if isinstance(storage, CudaStorage):
+            return CudaPageCopier(cuda_index(self._config.device), storage.ptr, shape, num_pages)
+        assert isinstance(storage, ShmStorage)
+        return ShmPageCopier(storage.memory, shape, num_pages)
 
     def _ask_for_reclaim(self, pool: Pool, requester: WorkerLease, need: int) -> None:
         """Ask workers sitting on idle pages to return some, so that the requester can retry."""

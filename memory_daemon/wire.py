@@ -9,13 +9,13 @@ from __future__ import annotations
 from memory_daemon.disk_tier import TierCounts
 from memory_daemon.export import CudaHandle, PoolDescriptor, ShmHandle
 from memory_daemon.pool import Pool
-from memory_daemon.prefix_events import DISK, POOL, Batch, Removed, Stored
+from memory_daemon.prefix_events import DISK, HOST, POOL, Batch, Removed, Stored
 from memory_daemon.shape import DEFAULT_PAGE_SIZE, PoolShape
 from memory_daemon.stats import PoolCounts, PublisherUsage, TenantPins, WorkerUsage
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.plumbing.messages import from_message, to_message
 
-_MEDIA = {POOL: memory_pb2.MEDIUM_POOL, DISK: memory_pb2.MEDIUM_DISK}
+_MEDIA = {POOL: memory_pb2.MEDIUM_POOL, HOST: memory_pb2.MEDIUM_HOST, DISK: memory_pb2.MEDIUM_DISK}
 
 
 def shape_to_pb(shape: PoolShape) -> memory_pb2.PoolShape:

@@ -5,9 +5,10 @@ events come from it, not from the workers: each daemon batch becomes one `smg.gr
 with its sequence number. A page is a block: its hash is the first 8 bytes of its chain key (as a signed
 64-bit integer), its parent's likewise, and it carries its tokens, so that a gateway can follow prefixes by
 content; a page of a salted prompt is not announced. Each block names its tier: DEVICE for the daemon's
-pool, DISK for its disk tier (a page may be in both). When the daemon goes away the stream ends with
-UNAVAILABLE and the gateway subscribes again from its last sequence number, which a restarted daemon refuses
-with OUT_OF_RANGE: the gateway then drops what it knew of this node and starts over from the whole state.
+pool, HOST for its host-memory tier, DISK for its disk tier (a page may be in several). When the daemon
+goes away the stream ends with UNAVAILABLE and the gateway subscribes again from its last sequence number,
+which a restarted daemon refuses with OUT_OF_RANGE: the gateway then drops what it knew of this node and
+starts over from the whole state.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
 # The daemon's media as SMG's tiers, and the raw medium string each comes from.
 _TIERS = {
     memory_pb2.MEDIUM_POOL: (common_pb2.KV_CACHE_TIER_DEVICE, "pool"),
+    memory_pb2.MEDIUM_HOST: (common_pb2.KV_CACHE_TIER_HOST, "host"),
     memory_pb2.MEDIUM_DISK: (common_pb2.KV_CACHE_TIER_DISK, "disk"),
 }
 

@@ -42,7 +42,8 @@ def handle(cache: DaemonKVCache, command: dict) -> object:
     if op == "read":
         return [page_value(cache, page) for page in command["pages"]]
     if op == "publish":
-        count = cache.publish(page_keys(command["tokens"], SHAPE.page_size), command["pages"])
+        tokens = command["tokens"]  # with its tokens, so that the index's events announce it
+        count = cache.publish(page_keys(tokens, SHAPE.page_size), command["pages"], tokens=tokens)
         cache.flush()
         return count
     if op == "promote":

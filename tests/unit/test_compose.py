@@ -146,6 +146,11 @@ def test_only_the_frontend_and_the_gateway_are_published_on_loopback_and_the_res
     assert not networks["edge"].get("internal")
 
 
+def test_the_gpu_daemon_keeps_evicted_pages_in_host_memory() -> None:
+    command = compose_config("docker-compose.yml")["services"]["daemon"]["command"]
+    assert command[command.index("--kv-host-memory") + 1] == "16GiB"
+
+
 def test_the_cpu_daemon_keeps_evicted_pages_on_a_volume_that_outlives_it(cpu: dict) -> None:
     daemon = cpu["daemon"]
     command = daemon["command"]

@@ -16,7 +16,7 @@ from memory_daemon.prefix import Published, page_keys
 from memory_daemon.prefix_events import DISK, POOL, Cleared, Stored
 from memory_daemon.publishers import PROMOTED
 from memory_daemon.shape import PoolShape
-from memory_daemon.tiers import PageCopier, PoolTier
+from memory_daemon.tiers import PoolTier, ShmPageCopier
 from pagedserve.plumbing.errors import PermissionDenied
 
 OWNER = fingerprint("model-a", "shape")
@@ -145,9 +145,9 @@ def test_the_ledger_demotes_on_eviction_and_promotes_on_a_lookup(tmp_path: Path)
     their bytes, indexed again (the books balance throughout)."""
     pages = 5
     memory = mmap.mmap(-1, pages * SHAPE.page_bytes)
-    copier = PageCopier(memory, SHAPE, pages)
+    copier = ShmPageCopier(memory, SHAPE, pages)
     disk = inline(tmp_path, 1 << 20)
-    ledger = PageLedger(pages, tier=PoolTier(disk, copier, SHAPE))
+    ledger = PageLedger(pages, tier=PoolTier(None, disk, copier, SHAPE))
     writer, reader = ledger.open_lease("writer", "m"), ledger.open_lease("reader", "m")
     tokens = list(range(8))
     keys = page_keys(tokens, SHAPE.page_size)
@@ -187,7 +187,7 @@ def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Pat
     memory = mmap.mmap(-1, pages * SHAPE.page_bytes)
     page_file = SHAPE.page_bytes + 200
     disk = inline(tmp_path, 2 * page_file)  # room for two pages' files
-    ledger = PageLedger(pages, tier=PoolTier(disk, PageCopier(memory, SHAPE, pages), SHAPE))
+    ledger = PageLedger(pages, tier=PoolTier(None, disk, ShmPageCopier(memory, SHAPE, pages), SHAPE))
     lease = ledger.open_lease("w", "m")
     tokens = list(range(12))
     keys = page_keys(tokens, SHAPE.page_size)
@@ -212,19 +212,20 @@ def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Pat
     assert changes() == [("Stored", 0, POOL), ("Stored", 1, POOL), ("Stored", 2, POOL)]
     taken = ledger.grant(lease, 2)  # evicts pages 0 and 1: onto the disk
     assert taken is not None
-    assert changes() == [("Removed", 0, POOL), ("Stored", 0, DISK), ("Removed", 1, POOL), ("Stored", 1, DISK)]
+    assert changes() == [("Removed", 0, POOL), ("Removed", 1, POOL), ("Stored", 0, DISK), ("Stored", 1, DISK)]
     ledger.update(lease, release=taken)
     assert ledger.lookup(lease, keys[:1]) != []  # promoted: in the pool again, and still on disk
     assert changes() == [("Stored", 0, POOL)]
     ledger.grant(lease, 2)  # evicts page 2 (the oldest idle), whose file pushes page 1's off the disk
-    assert changes() == [("Removed", 2, POOL), ("Stored", 2, DISK), ("Removed", 1, DISK)]
+    assert changes() == [("Removed", 2, POOL), ("Removed", 1, DISK), ("Stored", 2, DISK)]
     state = [(keys.index(c.key), c.medium) for c in events.snapshot().changes if isinstance(c, Stored)]
     assert sorted(state) == [(0, DISK), (0, POOL), (2, DISK)]
     ledger.check_invariants()
 
     # A restarted daemon announces what its tier kept, with each page's parent and tokens, before anything.
     again = PageLedger(
-        pages, tier=PoolTier(inline(tmp_path, 2 * page_file), PageCopier(memory, SHAPE, pages), SHAPE)
+        pages,
+        tier=PoolTier(None, inline(tmp_path, 2 * page_file), ShmPageCopier(memory, SHAPE, pages), SHAPE),
     )
     kept = [c for c in again.events_of("m").snapshot().changes if isinstance(c, Stored)]
     assert [(keys.index(c.key), c.medium, c.parent, c.token_ids) for c in kept] == [

@@ -120,12 +120,16 @@ def test_the_cpu_daemon_keeps_its_disk_tier_in_a_volume_that_outlives_its_contai
     rendered: Rendered,
 ) -> None:
     """--kv-disk in an emptyDir on disk (a container's restart keeps it: a warm restart) that only the daemon
-    mounts, large enough for the tier's budget. A CUDA daemon refuses --kv-disk: the GPU overlay has none."""
+    mounts, large enough for the tier's budget. The GPU overlay keeps pages in pinned host memory instead,
+    which the daemon's memory request covers."""
     daemon = rendered.node["daemon"]
     flags = rendered.flags(daemon)
     if rendered.overlay == "gpu":
-        assert "--kv-disk" not in flags and "--kv-disk-size" not in flags
+        assert "--kv-disk" not in flags
+        (host,) = flags["--kv-host-memory"]
+        assert parse_bytes(daemon["resources"]["requests"]["memory"]) > parse_bytes(host)
         return
+    assert "--kv-host-memory" not in flags
     (folder,) = flags["--kv-disk"]
     ((path, name),) = [(p, n) for p, n in mounts(daemon).items() if folder.startswith(p.rstrip("/") + "/")]
     assert folder != path.rstrip("/"), "the tier's folder lies inside the volume: its root is not private"

@@ -11,7 +11,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from memory_daemon.ledger import PageLedger
 from memory_daemon.prefix import Published, salted_root
-from memory_daemon.prefix_events import DISK, MAX_BEHIND, Batch, Cleared, ModelEvents, Removed, Stored
+from memory_daemon.prefix_events import DISK, HOST, MAX_BEHIND, Batch, Cleared, ModelEvents, Removed, Stored
 from memory_daemon.wire import batch_to_pb
 from pagedserve.plumbing.errors import DataLoss, OutOfRange
 from pagedserve.worker.v1 import worker_pb2
@@ -127,13 +127,15 @@ def test_a_subscriber_that_falls_far_behind_gets_data_loss() -> None:
 
 
 def test_a_gateway_reads_each_medium_as_its_kv_cache_tier() -> None:
-    """What the frontend relays to SMG: the pool is the DEVICE tier, the disk tier DISK, each with its raw
-    medium string, for stored and removed blocks alike."""
+    """What the frontend relays to SMG: the pool is the DEVICE tier, host memory HOST, the disk tier DISK,
+    each with its raw medium string, for stored and removed blocks alike."""
     batch = Batch(7, 1.0, (Stored(KEYS[0], b"", TOKENS[0]), Stored(KEYS[0], b"", TOKENS[0], DISK),
-                           Removed(KEYS[0]), Removed(KEYS[0], DISK)))  # fmt: skip
+                           Stored(KEYS[0], b"", TOKENS[0], HOST), Removed(KEYS[0]), Removed(KEYS[0], DISK),
+                           Removed(KEYS[0], HOST)))  # fmt: skip
     info = worker_pb2.WorkerInfo(page_size=16)
     events = NodeCache("unix:/nowhere", "m", None, lambda: info)._to_smg(batch_to_pb(batch)).events
     tiers = [(getattr(e, e.WhichOneof("data")).tier, getattr(e, e.WhichOneof("data")).medium) for e in events]
     device, disk = common_pb2.KV_CACHE_TIER_DEVICE, common_pb2.KV_CACHE_TIER_DISK
-    assert tiers == [(device, "pool"), (disk, "disk"), (device, "pool"), (disk, "disk")]
-    assert events[1].stored.blocks[0].block_hash == block_hash(KEYS[0]) == events[3].removed.block_hashes[0]
+    host = common_pb2.KV_CACHE_TIER_HOST
+    assert tiers == [(device, "pool"), (disk, "disk"), (host, "host")] * 2
+    assert events[1].stored.blocks[0].block_hash == block_hash(KEYS[0]) == events[4].removed.block_hashes[0]

@@ -11,8 +11,10 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MEDIUM_POOL: _ClassVar[Medium]
     MEDIUM_DISK: _ClassVar[Medium]
+    MEDIUM_HOST: _ClassVar[Medium]
 MEDIUM_POOL: Medium
 MEDIUM_DISK: Medium
+MEDIUM_HOST: Medium
 
 class PoolShape(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
@@ -333,12 +335,14 @@ class TierStats(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., promote_seconds: _Optional[float] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
 
 class DaemonStats(_message.Message):
-    __slots__ = ("pools", "disk")
+    __slots__ = ("pools", "disk", "host")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     disk: TierStats
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    host: TierStats
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ..., host: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
 
 class DropPublishedRequest(_message.Message):
     __slots__ = ("worker_id", "worker_name", "pool_id")

@@ -125,9 +125,10 @@ class MemoryDaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PrefetchPrefix(self, request, context):
-        """Brings the pages of a chain that the pool lacks and a lower tier (--kv-disk) holds back into the pool,
-        as cached pages no one references, so that the lookup that follows finds them there: a worker sends it
-        when a request arrives, before its engine schedules it. Files are read off the daemon's event loop.
+        """Brings the pages of a chain that the pool lacks and a lower tier (--kv-host-memory, --kv-disk) holds
+        back into the pool, as cached pages no one references, so that the lookup that follows finds them
+        there: a worker sends it when a request arrives, before its engine schedules it. Files are read off
+        the daemon's event loop.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,7 +1,8 @@
-"""The daemon's disk tier on real processes: a daemon started with --kv-disk, worker stand-ins attached over
-its socket (tests/integration/kv_agent.py), and the pages' bytes checked through the workers' own maps of
-the pool. Evicted pages come back on a lookup, also from a daemon restarted after a SIGKILL; a file damaged
-on disk is refused and the chain stops there; the books balance (`check_invariants`) at every step."""
+"""The daemon's tiers on real processes: a daemon started with --kv-disk (and --kv-host-memory), worker
+stand-ins attached over its socket (tests/integration/kv_agent.py), and the pages' bytes checked through the
+workers' own maps of the pool. Evicted pages come back on a lookup, from host memory or from disk, also from
+a daemon restarted after a SIGKILL; a file damaged on disk is refused and the chain stops there; the books
+balance (`check_invariants`) at every step. Then the whole stack on the default model, with each tier."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def disk(tmp_path: Path) -> Path:
     return tmp_path / "kv-disk"
 
 
-def start(run_dir: Path, disk: Path) -> DaemonProcess:
-    return start_daemon(run_dir, "--kv-disk", str(disk), "--kv-disk-size", "1MiB")
+def start(run_dir: Path, disk: Path, *extra: str) -> DaemonProcess:
+    return start_daemon(run_dir, "--kv-disk", str(disk), "--kv-disk-size", "1MiB", *extra)
 
 
 def checked_counts(daemon: DaemonProcess) -> memory_pb2.PoolStats:
@@ -60,9 +61,9 @@ def daemons(run_dir: Path) -> Iterator[list[DaemonProcess]]:
         shutil.rmtree(daemon.shm_dir, ignore_errors=True)
 
 
-def publish_prompt(daemon: DaemonProcess) -> None:
+def publish_prompt(daemon: DaemonProcess, device: str = "cpu") -> None:
     """An agent writes the prompt's three pages (values 1, 2, 3), publishes them and goes away."""
-    writer = KVAgent(daemon.address, "writer", num_pages=POOL_PAGES)
+    writer = KVAgent(daemon.address, "writer", num_pages=POOL_PAGES, device=device)
     pages = writer("allocate", n=3)
     for value, page in enumerate(pages, start=1):
         writer("write", pages=[page], value=float(value))
@@ -71,18 +72,18 @@ def publish_prompt(daemon: DaemonProcess) -> None:
     assert writer.close() == 0
 
 
-def evict_everything(daemon: DaemonProcess) -> None:
+def evict_everything(daemon: DaemonProcess, device: str = "cpu") -> None:
     """An agent takes every page the pool can give, which evicts every cached page, then goes away."""
     counts = checked_counts(daemon)
-    hog = KVAgent(daemon.address, "hog", num_pages=POOL_PAGES)
+    hog = KVAgent(daemon.address, "hog", num_pages=POOL_PAGES, device=device)
     assert hog("allocate", n=counts.free_pages + counts.evictable_pages) is not None
     assert checked_counts(daemon).cached_pages == 0
     assert hog.close() == 0
 
 
-def looked_up(daemon: DaemonProcess) -> list[float | None]:
+def looked_up(daemon: DaemonProcess, device: str = "cpu") -> list[float | None]:
     """What a fresh agent finds for the prompt (and a token past it): each found page's value."""
-    reader = KVAgent(daemon.address, "reader", num_pages=POOL_PAGES)
+    reader = KVAgent(daemon.address, "reader", num_pages=POOL_PAGES, device=device)
     try:
         found = reader("lookup", tokens=[*PROMPT, 99])
         return reader("read", pages=found)  # type: ignore[return-value]
@@ -138,11 +139,55 @@ def test_a_graceful_stop_keeps_the_pools_cached_pages_for_the_next_daemon(
     assert looked_up(daemons[1]) == [1.0, 2.0, 3.0]
 
 
-def tier_counts(daemon: DaemonProcess) -> TierCounts:
+def tier_counts(daemon: DaemonProcess, medium: str = "disk") -> TierCounts:
     with internal_channel(daemon.address) as channel:
         stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest())
-    assert stats.HasField("disk")
-    return tier_counts_from_pb(stats.disk)
+    assert stats.HasField(medium)
+    return tier_counts_from_pb(getattr(stats, medium))
+
+
+def media_of_prompt(daemon: DaemonProcess) -> dict[str, set[int]]:
+    """Where the index's events (a new watcher's whole state) say each of the prompt's pages is, by medium."""
+    keys = page_keys(PROMPT, SHAPE.page_size)
+    with internal_channel(daemon.address) as channel:
+        stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+        request = memory_pb2.WatchPrefixIndexRequest(model_id="test-model", after_sequence=0)
+        state = next(iter(stub.WatchPrefixIndex(request, timeout=10)))
+    media: dict[str, set[int]] = {}
+    for change in state.changes:
+        if change.WhichOneof("change") == "stored":
+            name = memory_pb2.Medium.Name(change.medium).removeprefix("MEDIUM_").lower()
+            media.setdefault(name, set()).add(keys.index(change.stored.key))
+    return media
+
+
+def test_evicted_pages_go_to_host_memory_then_on_to_disk_and_a_graceful_stop_keeps_them(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    """Host memory of two pages in front of the disk: of the prompt's three pages evicted, the first goes on
+    to the disk when the third comes; a lookup brings them back from where each is, and the events say
+    where that is. A SIGTERM's stop hands host memory down to the disk, so the next daemon serves all."""
+    two_pages = str(2 * SHAPE.page_bytes)
+    daemons.append(start(run_dir, disk, "--kv-host-memory", two_pages))
+    publish_prompt(daemons[0])
+    evict_everything(daemons[0])
+    host, on_disk = tier_counts(daemons[0], "host"), tier_counts(daemons[0])
+    assert (host.pages, host.demotions, host.dropped, on_disk.demotions) == (2, 3, 1, 1)
+    assert media_of_prompt(daemons[0]) == {"host": {1, 2}, "disk": {0}}
+
+    assert looked_up(daemons[0]) == [1.0, 2.0, 3.0]
+    host, on_disk = tier_counts(daemons[0], "host"), tier_counts(daemons[0])
+    assert (host.promotions, host.bytes_read, on_disk.promotions) == (2, 2 * SHAPE.page_bytes, 1)
+    assert media_of_prompt(daemons[0]) == {"pool": {0, 1, 2}, "host": {1, 2}, "disk": {0}}
+    checked_counts(daemons[0])
+
+    assert daemons[0].stop() == 0
+    assert len(list(disk.glob("*.kvpage"))) == 3
+    again = tmp_path / "again"
+    again.mkdir(mode=0o700)
+    daemons.append(start(again, disk, "--kv-host-memory", two_pages))
+    assert looked_up(daemons[1]) == [1.0, 2.0, 3.0]
+    assert tier_counts(daemons[1]).promotions == 3
 
 
 def test_a_prefetch_brings_the_chain_back_before_the_lookup(
@@ -228,13 +273,11 @@ def refused(run_dir: Path, *extra: str) -> str:
     return done.stdout + done.stderr
 
 
-def test_a_disk_tier_without_a_budget_on_cuda_or_in_an_open_folder_is_refused(
-    run_dir: Path, disk: Path
-) -> None:
+def test_a_disk_tier_without_a_budget_or_in_an_open_folder_is_refused(run_dir: Path, disk: Path) -> None:
     for extra, message in (
         (("--kv-disk", str(disk)), "--kv-disk DIR and --kv-disk-size SIZE"),
         (("--kv-disk-size", "1GiB"), "--kv-disk DIR and --kv-disk-size SIZE"),
-        (("--kv-disk", str(disk), "--kv-disk-size", "1GiB", "--device", "cuda"), "CPU pools"),
+        (("--kv-host-memory", "lots"), "is not a size"),
     ):
         assert message in refused(run_dir, *extra)
     assert not disk.exists()
@@ -243,11 +286,18 @@ def test_a_disk_tier_without_a_budget_on_cuda_or_in_an_open_folder_is_refused(
     assert "open to others" in refused(run_dir, "--kv-disk", str(disk), "--kv-disk-size", "1GiB")
 
 
-def test_a_prompt_served_from_disk_gives_the_same_greedy_tokens(run_dir: Path, disk: Path) -> None:
+@pytest.mark.parametrize("medium", ["disk", "host"])
+def test_a_prompt_served_from_a_tier_gives_the_same_greedy_tokens(
+    run_dir: Path, disk: Path, medium: str
+) -> None:
     """The whole stack on the default model with a pool of a few dozen pages: a prompt's pages, pushed out
-    of the pool by other prompts, come back from disk, and the same prompt gives the same greedy tokens
-    from them (its prompt tokens counted as cached), with the books balanced."""
-    stack = start_stack(run_dir, "--kv-memory", "24MiB", "--kv-disk", str(disk), "--kv-disk-size", "256MiB")
+    of the pool by other prompts, come back from disk (or from host memory), and the same prompt gives the
+    same greedy tokens from them (its prompt tokens counted as cached), with the books balanced."""
+    tier_flags = {
+        "disk": ("--kv-disk", str(disk), "--kv-disk-size", "256MiB"),
+        "host": ("--kv-host-memory", "256MiB"),
+    }
+    stack = start_stack(run_dir, "--kv-memory", "24MiB", *tier_flags[medium])
     try:
         with grpc.insecure_channel(stack.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
@@ -262,9 +312,9 @@ def test_a_prompt_served_from_disk_gives_the_same_greedy_tokens(run_dir: Path, d
             daemon = json.loads((stack.run_dir / "endpoints.json").read_text())["daemon"]
 
             def tier(counter: str) -> float:
-                return Scrape(daemon["metrics"])(f"pagedserve_kv_tier_{counter}_total", tier="disk")
+                return Scrape(daemon["metrics"])(f"pagedserve_kv_tier_{counter}_total", tier=medium)
 
-            wait_until(lambda: tier("demotions") > 0, 5, "the pool's evictions to reach the disk")
+            wait_until(lambda: tier("demotions") > 0, 5, "the pool's evictions to reach the tier")
             assert tier("promotions") == 0
             again = complete(prompt)
             assert list(again.token_ids) == list(first.token_ids) and again.text == first.text
@@ -272,15 +322,16 @@ def test_a_prompt_served_from_disk_gives_the_same_greedy_tokens(run_dir: Path, d
             assert (
                 cached_pages == (first.usage.prompt_tokens - 1) // 16
             )  # every full page but the last token's
-            # All of them from disk (the metrics' snapshot is at most half a second old).
+            # All of them from the tier (the metrics' snapshot is at most half a second old).
             wait_until(
                 lambda: tier("promotions") == cached_pages,
                 5,
                 lambda: f"{cached_pages} promotions, not {tier('promotions')}",
             )
-            # Each page's file read once: a lookup that comes while the request's prefetch reads them waits.
-            page_file = 30 * 2 * 16 * 3 * 64 * 4 + 1024  # SmolLM2's page in float32, and a header's room
-            assert tier("read_bytes") <= cached_pages * page_file
+            # Each page read once: a lookup that comes while the request's prefetch reads them waits.
+            page_bytes = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2's page in float32
+            header = {"disk": 1024, "host": 0}[medium]  # a file's header's room
+            assert tier("read_bytes") <= cached_pages * (page_bytes + header)
             wait_for_every_page(daemon["address"])
     finally:
         assert stack.stop() == 0, stack.log()

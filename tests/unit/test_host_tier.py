@@ -1,0 +1,137 @@
+"""The host-memory tier (--kv-host-memory) alone and in front of the disk tier: its budget, the pages it lets
+go on to the disk, promotions from host memory first, the index's events by medium, and a graceful stop
+that hands its pages down to the disk."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+from memory_daemon.disk_tier import DiskTier, StoredPage, fingerprint
+from memory_daemon.host_tier import HostTier
+from memory_daemon.ledger import PageLedger
+from memory_daemon.prefix import Published, page_keys
+from memory_daemon.prefix_events import DISK, HOST, POOL, Cleared
+from memory_daemon.shape import PoolShape
+from memory_daemon.tiers import PoolTier, ShmPageCopier
+
+OWNER = fingerprint("model-a", "shape")
+SHAPE = PoolShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
+
+
+def stored(key: bytes, size: int = 100) -> StoredPage:
+    return StoredPage(key, b"", (1, 2, 3, 4), bytes([len(key)]) * size)
+
+
+def test_the_budget_holds_the_most_recently_used_and_hands_the_rest_back() -> None:
+    tier = HostTier(capacity_bytes=250)
+    assert tier.put(OWNER, stored(b"a")) == [] and tier.put(OWNER, stored(b"b")) == []
+    assert tier.get(OWNER, b"a") is not None  # a is now the most recent: b goes first
+    let_go = tier.put(OWNER, stored(b"c"))
+    assert [page.key for _, page in let_go] == [b"b"]
+    assert tier.has(OWNER, b"a") and tier.has(OWNER, b"c") and not tier.has(OWNER, b"b")
+    assert tier.put(OWNER, stored(b"huge", 251)) == [(OWNER, stored(b"huge", 251))]  # larger than all
+    counts = tier.counts()
+    assert (counts.pages, counts.bytes, counts.demotions, counts.dropped) == (2, 200, 3, 1)
+    assert tier.discard_owner(OWNER) == 2 and tier.counts().bytes == 0
+
+
+class Pool:
+    """A ledger of `pages` pages over an in-memory pool, its tiers, and a prompt of three pages published
+    by a lease and left idle."""
+
+    def __init__(self, tmp_path: Path, pages: int, host_pages: int, disk: bool) -> None:
+        self.memory = mmap.mmap(-1, pages * SHAPE.page_bytes)
+        self.copier = ShmPageCopier(self.memory, SHAPE, pages)
+        self.host = HostTier(host_pages * SHAPE.page_bytes)
+        self.disk = DiskTier(tmp_path, 1 << 20, background=False) if disk else None
+        self.ledger = PageLedger(pages, tier=PoolTier(self.host, self.disk, self.copier, SHAPE))
+        self.lease = self.ledger.open_lease("w", "m")
+        self.tokens = list(range(12))
+        self.keys = page_keys(self.tokens, SHAPE.page_size)
+        self.watcher = self.ledger.index.events_of("m").subscribe(0)
+        held = self.ledger.grant(self.lease, 3)
+        assert held is not None
+        self.contents = [bytes([value]) * SHAPE.page_bytes for value in (11, 22, 33)]
+        parents = [b"", *self.keys[:-1]]
+        published = []
+        for i, (key, page) in enumerate(zip(self.keys, held, strict=True)):
+            self.copier.write(page, self.contents[i])
+            published.append(Published(key, page, parents[i], tuple(self.tokens[4 * i : 4 * i + 4])))
+        self.ledger.update(self.lease, publish=published)
+        self.ledger.update(self.lease, unref=held)
+        self.changes()
+
+    def evict_all(self) -> None:
+        """A lease takes every page (evicting the prompt's), then gives them back."""
+        taken = self.ledger.grant(self.lease, self.ledger.free_pages + self.ledger.index.evictable_pages)
+        assert taken is not None and self.ledger.index.cached_pages == 0
+        self.ledger.update(self.lease, release=taken)
+        self.ledger.check_invariants()
+
+    def changes(self) -> list[tuple[str, int, str]]:
+        """The index's events since the last call, as (what, page of the chain, medium)."""
+        seen = []
+        while not self.watcher._queue.empty():
+            for change in self.watcher._queue.get_nowait().changes:  # type: ignore[union-attr]
+                if not isinstance(change, Cleared):
+                    seen.append((type(change).__name__, self.keys.index(change.key), change.medium))
+        return seen
+
+
+def test_evicted_pages_go_to_host_memory_and_come_back_from_it(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, pages=5, host_pages=8, disk=True)
+    pool.evict_all()
+    assert pool.host.counts().demotions == 3 and pool.disk is not None and pool.disk.counts().pages == 0
+    assert sorted(pool.changes()) == sorted(
+        [("Removed", i, POOL) for i in range(3)] + [("Stored", i, HOST) for i in range(3)]
+    )
+
+    found = pool.ledger.lookup(pool.lease, pool.keys)
+    assert [pool.copier.read(page) for page in found] == pool.contents
+    assert pool.host.counts().promotions == 3 and pool.disk.counts().promotions == 0
+    assert pool.host.counts().bytes_read == 3 * SHAPE.page_bytes
+    assert sorted(pool.changes()) == [("Stored", i, POOL) for i in range(3)]  # and still in host memory
+    pool.ledger.update(pool.lease, unref=found)
+    assert pool.ledger.flush("m") == 3 and pool.host.counts().pages == 0
+    assert sorted(pool.changes()) == sorted([("Removed", i, m) for i in range(3) for m in (HOST, POOL)])
+    pool.ledger.check_invariants()
+
+
+def test_pages_host_memory_lets_go_go_on_to_the_disk_and_come_back_from_there(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, pages=5, host_pages=1, disk=True)
+    pool.evict_all()  # three pages through a host tier of one: the two oldest spill to the disk
+    assert pool.disk is not None and pool.disk.counts().pages == 2 and pool.host.counts().pages == 1
+    assert pool.host.counts().dropped == 2
+    events = pool.changes()
+    assert events.count(("Stored", 2, HOST)) == 1 and ("Stored", 0, DISK) in events
+    assert ("Removed", 0, HOST) in events and ("Stored", 1, DISK) in events
+
+    found = pool.ledger.lookup(pool.lease, pool.keys)
+    assert [pool.copier.read(page) for page in found] == pool.contents
+    assert (pool.disk.counts().promotions, pool.host.counts().promotions) == (2, 1)
+    pool.ledger.update(pool.lease, unref=found)
+    pool.ledger.check_invariants()
+
+
+def test_without_a_disk_the_pages_host_memory_lets_go_are_dropped(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, pages=5, host_pages=1, disk=False)
+    pool.evict_all()
+    assert pool.host.counts().pages == 1
+    found = pool.ledger.lookup(pool.lease, pool.keys)
+    assert found == []  # the chain's first page is gone, so nothing after it can be reached
+    assert ("Removed", 0, HOST) in pool.changes()
+
+
+def test_a_graceful_stop_hands_host_memory_down_to_the_disk(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, pages=5, host_pages=8, disk=True)
+    pool.evict_all()
+    assert pool.disk is not None
+    for owner, page in pool.host.drain():  # what the daemon's close does, before the pools' own pages
+        pool.disk.put(owner, page)
+    assert pool.host.counts().pages == 0 and pool.disk.counts().pages == 3
+    restarted = PageLedger(
+        5, tier=PoolTier(HostTier(1 << 20), DiskTier(tmp_path, 1 << 20), pool.copier, SHAPE)
+    )
+    found = restarted.lookup(restarted.open_lease("again", "m"), pool.keys)
+    assert [pool.copier.read(page) for page in found] == pool.contents
