@@ -95,6 +95,11 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(dtype).removeprefix("torch.")
     kv_dtype = dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    if (dtype_name, kv_dtype) == ("bfloat16", "float32"):
+        raise ModelRefused(
+            "--kv-cache-dtype float32 under a bfloat16 model doubles the pool's bytes and keeps nothing "
+            "more: its keys and values are bfloat16's; leave it auto, or run the model with --dtype float32"
+        )
     shape = spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
     kv, attach = _pool(config, shape, model_id, config.kv_memory_bytes, config.name, on_lost)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
@@ -117,7 +122,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     tokenizer = _tokenizer(model_dir)
     proposer, attach_draft = None, None
     if config.draft_model is not None:
-        proposer, attach_draft = _load_draft(config, model, tokenizer, kv.num_pages, backend)
+        proposer, attach_draft = _load_draft(config, model, tokenizer, kv.num_pages, backend, kv_dtype)
     grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids) if tokenizer is not None else None
     engine = Engine(EngineCore(model, kv, config.engine, graphs, grammars, proposer))
     return LoadedWorker(engine, model_dir, model_id, attach, attach_draft, dtype_name)
@@ -156,10 +161,12 @@ def _load_draft(
     tokenizer: PreTrainedTokenizerFast | None,
     num_pages: int,
     backend: KernelBackend,
+    kv_dtype: str,
 ) -> tuple[DraftModelProposer, Callable[[], KVCache] | None]:
     """--draft-model: the draft model, loaded as the target is (dtype, device, quantization), checked to
-    share its tokenizer, and its pool: as many pages as the target's, of its own shape, under its own lease
-    (its name is the worker's with /draft). The target's lease alone reports the daemon's loss."""
+    share its tokenizer, and its pool: as many pages as the target's, of its own shape in the target pool's
+    dtype, under its own lease (its name is the worker's with /draft). The target's lease alone reports the
+    daemon's loss."""
     draft_dir = resolve_model(config.draft_model)
     draft_tokenizer = _tokenizer(draft_dir)
     if tokenizer is None or draft_tokenizer is None or tokenizer.get_vocab() != draft_tokenizer.get_vocab():
@@ -170,7 +177,7 @@ def _load_draft(
     model = load_model(
         draft_dir, dtype=target.dtype, device=target.device, backend=backend, quantization=config.quantization
     )
-    shape = model.spec.pool_shape(str(target.dtype).removeprefix("torch."), config.page_size)  # type: ignore[arg-type]
+    shape = model.spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
     kv, attach = _pool(
         config, shape, model_identity(draft_dir), num_pages * shape.page_bytes, f"{config.name}/draft", None
     )

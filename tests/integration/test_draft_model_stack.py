@@ -22,15 +22,16 @@ from typing import Any
 import grpc
 import pytest
 
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.rpc import wait_for_health
 from pagedserve.v1 import generation_pb2_grpc
 from services.common.default_model import default_model_dir
-from tests.clients import pool_counts, wait_for_every_page
+from tests.clients import internal_channel, pool_counts, wait_for_every_page
 from tests.integration.streams import joined
 from tests.integration.test_faults import pid_of
 from tests.integration.test_speculative_stack import SAMPLINGS, Stub, off_and_on, run
 from tests.models import make_model
-from tests.procs import REPO, Stack, module_stack
+from tests.procs import REPO, Stack, module_stack, start_daemon, start_worker
 from tests.waiting import wait_until
 
 
@@ -86,6 +87,25 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr[-2000:]
     assert "cannot start: the draft model" in done.stderr
     assert "must have the target model's tokenizer" in done.stderr
+
+
+def test_the_draft_models_pool_takes_the_targets_kv_cache_dtype(run_dir: Path) -> None:
+    """A float32 model over a bfloat16 pool drafting for itself: the draft's lease is on the same bfloat16
+    pool (the same model, so the same shape), not on a float32 pool of twice the bytes."""
+    daemon = start_daemon(run_dir)
+    try:
+        flags = ("--kv-memory", "32MiB", "--kv-cache-dtype", "bfloat16", "--speculative", "draft")
+        worker = start_worker(run_dir, daemon.address, *flags, "--draft-model", str(default_model_dir()))
+        try:
+            with internal_channel(daemon.address) as channel:
+                stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest())
+            (pool,) = stats.pools
+            assert pool.shape.dtype == "bfloat16"
+            assert sorted(usage.name for usage in pool.workers) == ["worker", "worker/draft"]
+        finally:
+            assert worker.stop() == 0
+    finally:
+        assert daemon.stop() == 0
 
 
 def test_after_the_daemon_restarts_the_draft_model_leases_anew(stack: Stack, stub: Stub) -> None:

@@ -133,3 +133,21 @@ def test_a_precision_that_does_not_exist_is_refused_by_name(flag: str, value: st
     )
     assert done.returncode == 2
     assert f"argument {flag}: invalid choice: '{value}'" in done.stderr
+
+
+def test_a_float32_pool_under_a_bfloat16_model_is_refused(run_dir: Path) -> None:
+    """A pool wider than the model's keys and values doubles its bytes for nothing: the worker says so."""
+    command = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "worker",
+        "--kv",
+        "local",
+        "--address",
+        f"unix:{run_dir}/w.sock",
+    ]
+    command += ["--dtype", "bfloat16", "--kv-cache-dtype", "float32"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "--kv-cache-dtype float32 under a bfloat16 model" in done.stderr
