@@ -76,9 +76,10 @@ class Kept(NamedTuple):
 
 @dataclass(frozen=True)
 class TierCounts:
-    """The tier's size and traffic since the daemon started: pages and bytes on disk, pages written
-    (demotions) and installed back in a pool (promotions), the bytes written and read (a read whose page
-    the pool had by then included) and the seconds reads took, and files refused."""
+    """A tier's size and traffic since the daemon started (the disk's, or host memory's): pages and bytes
+    kept, pages written (demotions) and installed back in a pool (promotions), the bytes written and read (a
+    read whose page the pool had by then included) and the seconds reads (or copies) took, and files
+    refused."""
 
     capacity_bytes: int = 0
     pages: int = 0

@@ -167,7 +167,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
                 self._prefetching[mark] = done
             try:
                 reads = await asyncio.to_thread(pool.tier.read(lease.model_id, list(marks)))
-                promoted = ledger.admit_promoted(lease.model_id, pool.tier.settle(reads))
+                promoted = ledger.admit_promoted(lease.model_id, pool.tier.settle(lease.model_id, reads))
             finally:
                 for mark in marks.values():
                     del self._prefetching[mark]
@@ -236,11 +236,14 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         (what waited first), so that the next daemon on it serves them; then the pools go."""
         if self._disk is not None:
             self._disk.close()
-            for owner, page in self._host.drain() if self._host is not None else ():
-                self._disk.put(owner, page)
-            for pool in self._pools.values():
-                if pool.ledger.tier is not None:
-                    pool.ledger.keep_cached()
+            try:
+                for owner, page in self._host.drain() if self._host is not None else ():
+                    self._disk.put(owner, page)
+                for pool in self._pools.values():
+                    if pool.ledger.tier is not None:
+                        pool.ledger.keep_cached()
+            except OSError as exc:  # a full disk, say: what is written is kept, and the pools still go
+                log.warning("could not keep every cached page in %s: %s", self._disk.folder.path, exc)
             log.info("kept the pools' cached pages in %s: %s", self._disk.folder.path, self._disk.counts())
         for pool in self._pools.values():
             pool.storage.close()

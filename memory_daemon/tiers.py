@@ -97,6 +97,9 @@ class CudaPageCopier:
                 *(self._base + layout.offset(page), layout.stride, host.ctypes.data, layout.block),
                 *(layout.block, layout.blocks, runtime.memcpyHostToDevice),
             )
+            # From pageable memory (a page read from disk) cudaMemcpy may return before the DMA is done;
+            # the page goes to a worker's stream in another process, which nothing orders after it.
+            runtime.deviceSynchronize()
 
 
 class LowerTier(Protocol):
@@ -221,13 +224,16 @@ class PoolTier:
 
         return run
 
-    def settle(self, reads: list[Read]) -> list[StoredPage]:
-        """The pages read whole, in chain order, up to the first that is not (the rest cannot be reached
-        by a lookup without it); each file read accounted for by the disk tier."""
+    def settle(self, model_id: str, reads: list[Read]) -> list[StoredPage]:
+        """The pages read whole, in chain order, up to the first that is not, or that no tier keeps any
+        more (flushed or forgotten while the read ran: it must not come back); each file read accounted
+        for by the disk tier."""
         pages: list[StoredPage] = []
         for read in reads:
             page = read.page if not read.name or self.disk is None else self.disk.settle(read)
             if page is None or len(page.payload) != self._shape.page_bytes:
+                break
+            if not self.has(model_id, page.key):
                 break
             pages.append(page)
         return pages

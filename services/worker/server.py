@@ -95,10 +95,11 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(dtype).removeprefix("torch.")
     kv_dtype = dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-    if (dtype_name, kv_dtype) == ("bfloat16", "float32"):
+    if kv_dtype == "float32" and dtype_name != "float32":
         raise ModelRefused(
-            "--kv-cache-dtype float32 under a bfloat16 model doubles the pool's bytes and keeps nothing "
-            "more: its keys and values are bfloat16's; leave it auto, or run the model with --dtype float32"
+            f"--kv-cache-dtype float32 under a {dtype_name} model doubles the pool's bytes and keeps "
+            f"nothing more: its keys and values are {dtype_name}'s; leave it auto, or run the model with "
+            "--dtype float32"
         )
     shape = spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
     kv, attach = _pool(config, shape, model_id, config.kv_memory_bytes, config.name, on_lost)

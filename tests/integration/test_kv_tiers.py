@@ -161,14 +161,16 @@ def media_of_prompt(daemon: DaemonProcess) -> dict[str, set[int]]:
     return media
 
 
-def test_evicted_pages_go_to_host_memory_then_on_to_disk_and_a_graceful_stop_keeps_them(
-    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+TWO_PAGES = str(2 * SHAPE.page_bytes)
+
+
+def test_evicted_pages_go_to_host_memory_then_on_to_disk_and_come_back_from_either(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess]
 ) -> None:
     """Host memory of two pages in front of the disk: of the prompt's three pages evicted, the first goes on
     to the disk when the third comes; a lookup brings them back from where each is, and the events say
-    where that is. A SIGTERM's stop hands host memory down to the disk, so the next daemon serves all."""
-    two_pages = str(2 * SHAPE.page_bytes)
-    daemons.append(start(run_dir, disk, "--kv-host-memory", two_pages))
+    where that is."""
+    daemons.append(start(run_dir, disk, "--kv-host-memory", TWO_PAGES))
     publish_prompt(daemons[0])
     evict_everything(daemons[0])
     host, on_disk = tier_counts(daemons[0], "host"), tier_counts(daemons[0])
@@ -181,11 +183,22 @@ def test_evicted_pages_go_to_host_memory_then_on_to_disk_and_a_graceful_stop_kee
     assert media_of_prompt(daemons[0]) == {"pool": {0, 1, 2}, "host": {1, 2}, "disk": {0}}
     checked_counts(daemons[0])
 
+
+def test_a_graceful_stop_hands_host_memory_down_to_the_disk(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    """Two of the prompt's pages only in host memory, one on disk, none in the pool: a SIGTERM's stop writes
+    the two, so that the next daemon serves all three from disk."""
+    daemons.append(start(run_dir, disk, "--kv-host-memory", TWO_PAGES))
+    publish_prompt(daemons[0])
+    evict_everything(daemons[0])
+    assert media_of_prompt(daemons[0]) == {"host": {1, 2}, "disk": {0}}
+    wait_until(lambda: len(list(disk.glob("*.kvpage"))) == 1, 10, "the page host memory let go, on disk")
     assert daemons[0].stop() == 0
     assert len(list(disk.glob("*.kvpage"))) == 3
     again = tmp_path / "again"
     again.mkdir(mode=0o700)
-    daemons.append(start(again, disk, "--kv-host-memory", two_pages))
+    daemons.append(start(again, disk, "--kv-host-memory", TWO_PAGES))
     assert looked_up(daemons[1]) == [1.0, 2.0, 3.0]
     assert tier_counts(daemons[1]).promotions == 3
 

@@ -123,6 +123,18 @@ def test_without_a_disk_the_pages_host_memory_lets_go_are_dropped(tmp_path: Path
     assert ("Removed", 0, HOST) in pool.changes()
 
 
+def test_a_page_flushed_while_a_prefetch_reads_it_does_not_come_back(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, pages=5, host_pages=8, disk=False)
+    pool.evict_all()
+    tier = pool.ledger.tier
+    assert tier is not None
+    reading = tier.read("m", pool.keys)  # the prefetch's read, on its thread, after the event loop's turn
+    assert pool.ledger.flush("m") == 0 and pool.host.counts().pages == 0  # meanwhile, on the loop
+    assert pool.ledger.admit_promoted("m", tier.settle("m", reading())) == 0
+    assert pool.ledger.lookup(pool.lease, pool.keys) == []
+    pool.ledger.check_invariants()
+
+
 def test_a_graceful_stop_hands_host_memory_down_to_the_disk(tmp_path: Path) -> None:
     pool = Pool(tmp_path, pages=5, host_pages=8, disk=True)
     pool.evict_all()
