@@ -59,7 +59,7 @@ from pagedserve.plumbing.private import check_unix_peer
 from pagedserve.plumbing.rpc import wait_for_health
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
-from services.launcher import die_with_parent
+from services.launcher import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,10 +142,9 @@ def start_stack(secret: str, concurrency: int) -> Stack:
                "--run-dir", str(folder / "run")]  # fmt: skip
     with open(folder / "up.log", "wb") as log:
         # Ctrl-C reaches only this script, which stops the stack in order; if this script dies, `up` gets
-        # SIGTERM (die_with_parent) and stops the stack all the same.
+        # SIGTERM (spawn) and stops the stack all the same.
         env = {**os.environ, SECRET_ENV: secret}
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+        proc = spawn(command, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     return Stack(folder, proc)
 
 

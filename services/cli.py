@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from pagedserve.plumbing import settings
+from services.launcher import die_with_spawner
 
 # subcommand -> (module, help)
 COMMANDS = {
@@ -28,6 +29,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_spawner()
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="An LLM inference server over a shared paged KV pool."

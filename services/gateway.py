@@ -121,6 +121,7 @@ def smg_command(config: GatewayConfig, extra: Sequence[str] = ()) -> list[str]:
 
 
 def run(plan: Plan) -> int:
+    # SMG is no Python process to ask for its own PR_SET_PDEATHSIG (spawn); nothing here has used gRPC yet.
     proc = subprocess.Popen(plan.command, preexec_fn=die_with_parent)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: proc.send_signal(signal.SIGTERM))

@@ -2,7 +2,8 @@
 
 Each child starts only after the one it needs reports SERVING through grpc.health.v1, and every line a
 child prints comes out prefixed with its name. Children get SIGTERM if this process dies
-(PR_SET_PDEATHSIG), so none is orphaned, and run in sessions of their own, so that a terminal's Ctrl-C
+(PR_SET_PDEATHSIG, which each asks for as it starts: spawn), so none is orphaned, and run in sessions of
+their own, so that a terminal's Ctrl-C
 reaches only the launcher, which stops them in order: the frontend drains first, the daemon goes last. A
 child that dies is started again, unless it died more than RESTART_LIMIT times within a minute.
 """
@@ -10,6 +11,7 @@ child that dies is started again, unless it died more than RESTART_LIMIT times w
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -20,14 +22,40 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pagedserve.plumbing.rpc import wait_for_health
 
 _PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+PARENT_ENV = "PAGEDSERVE_PARENT_PID"  # set by spawn: the process a child must not outlive
 
 
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent() -> None:
+    """SIGTERM to this process when its parent exits (PR_SET_PDEATHSIG)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(command: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start a pagedserve process (`python -m services.cli ...`) in a session of its own; it dies with this
+    one, which it asks the kernel for as it starts (die_with_spawner).
+
+    Not a preexec_fn: that makes subprocess fork() rather than vfork(), and a fork runs gRPC's fork handlers,
+    which can deadlock with gRPC's own grpc_shutdown thread once a process's channels have closed
+    (grpc/grpc#31885): `up` hung so, starting its frontend after its health checks of the daemon and
+    worker."""
+    env = {**env, PARENT_ENV: str(os.getpid())}
+    return subprocess.Popen(command, env=env, start_new_session=True, **popen)
+
+
+def die_with_spawner() -> None:
+    """In a process that spawn started: die with the process that started it, at once if that is gone."""
+    spawner = os.environ.pop(PARENT_ENV, None)
+    if spawner is None:
+        return
+    die_with_parent()
+    if os.getppid() != int(spawner):  # it exited before the request above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def http_ready(url: str) -> bool:
@@ -87,14 +115,7 @@ class Launcher:
         worker) waits its turn, to be restarted next."""
         command = [sys.executable, "-m", "services.cli", *child.args]
         # A session of its own: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
-        child.proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            preexec_fn=die_with_parent,
-            start_new_session=True,
-        )
+        child.proc = spawn(command, self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         threading.Thread(
             target=self._relay, args=(child, child.proc), name=f"log-{child.name}", daemon=True
         ).start()

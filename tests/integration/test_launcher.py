@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
+from services.launcher import PARENT_ENV
 from services.worker.models import SUPPORTED
 from tests.clients import Scrape, internal_channel
 from tests.models import make_model
@@ -191,6 +194,59 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
     order = [i for i, line in enumerate(lines) if "shutting down" in line]
     assert "stopping: the frontend drains first" in stack.log()
     assert [lines[i].split("|")[0].strip() for i in order] == ["frontend", "worker-0", "daemon"]
+
+
+def test_a_killed_launcher_takes_its_children_with_it(tmp_path: Path) -> None:
+    """Each child asks for SIGTERM on its launcher's death as it starts (spawn): a SIGKILL to `up` orphans
+    none."""
+    stack = start_stack(tmp_path, "--kv-memory", "128MiB")
+    assert len(stack.survivors()) == 4  # up, the daemon, a worker and the frontend
+    stack.proc.kill()
+    stack.proc.wait(timeout=10)
+    wait_until(lambda: not stack.survivors(), 60, lambda: f"the children to exit: {stack.survivors()}")
+
+
+def test_a_process_spawned_by_one_already_gone_exits() -> None:
+    """The parent may die before its child asks the kernel for the signal: the child sees it and goes."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from services.cli import main; import time; main(['--help'])"],
+        env={**os.environ, PARENT_ENV: "1"},  # not its parent: the spawner has gone
+        stdout=subprocess.DEVNULL,
+    )
+    assert child.wait(timeout=30) == -signal.SIGTERM
+
+
+# A process whose gRPC channels have just closed (its grpc_shutdown thread running), and then starts a child:
+# with a preexec_fn, subprocess forks and gRPC's fork handlers deadlock (grpc/grpc#31885), 300 rounds of
+# this hung every time in a scratch run; spawn does not fork.
+SPAWN_AFTER_CHANNELS = """
+import sys, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.launcher import spawn
+for _ in range(300):
+    with grpc.insecure_channel(sys.argv[1]) as channel:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert spawn([sys.executable, "-c", ""], {}).wait() == 0
+print("spawned 300")
+"""
+
+
+def test_spawning_right_after_grpc_channels_close_does_not_hang() -> None:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SPAWN_AFTER_CHANNELS, f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).parents[2],
+        )
+    finally:
+        server.stop(None)
+    assert done.returncode == 0 and "spawned 300" in done.stdout, done.stderr[-2000:]
 
 
 def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
