@@ -65,7 +65,7 @@ def bench_gemms(ops: ModuleType, rows: list[int]) -> None:
         skinny = seconds(lambda pairs=pairs: [ops.skinny_linear(x, w, None, None) for x, w in pairs], 10)
         ours = seconds(
             lambda pairs=pairs: [
-                ops.packed_float_linear(x, p.data, None, p.rows)
+                ops.packed_float_linear(x, p.data, None, p.rows, False)
                 for (x, _), p in zip(pairs, packed, strict=True)
             ],
             10,

@@ -24,7 +24,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
                             int64_t n_len, bool amx, bool gated);
 int64_t packed_float_group();
 torch::Tensor packed_float_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                                  int64_t n_len);
+                                  int64_t n_len, bool gated);
 torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Tensor> router_bias,
                   torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
                   std::optional<torch::Tensor> down_bias, int64_t top_k, bool renormalize, bool softmax_of_top,
@@ -41,7 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear,
         "x W^T * scale (+ bias) with W packed for vdpbf16ps or vpdpbusd; gated, silu(gate) * up of W's halves");
   m.def("packed_float_group", &packed_float_group, "the output rows a group of packed_float_linear's W packs");
-  m.def("packed_float_linear", &packed_float_linear, "x W^T (+ bias) in float32 with W packed [K, group] a group");
+  m.def("packed_float_linear", &packed_float_linear,
+        "x W^T (+ bias) in float32 with W packed [K, group] a group; gated, silu(gate) * up of W's halves");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
   m.def("probe_feature", &probe_feature, "runs one instruction of a CPU feature: whether it gave the right answer");
   m.def("moe", &moe, "a mixture of experts, each chosen expert run once for its tokens");

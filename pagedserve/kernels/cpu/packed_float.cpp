@@ -9,6 +9,11 @@
 // all the tiles that read it, and a thread takes whole groups. On an AMD EPYC with AVX2 alone, SmolLM2's 120
 // GEMMs took 14.6 / 24.2 / 47.4 / 330.9 ms at 1 / 12 / 32 / 256 rows, against skinny_linear's 16.7 / 38.0 /
 // 79.7 / 642.3 and MKL's 28.8 / 52.7 / 77.1 / 376.8 on the same weights unpacked (scripts/bench_cpu_ops.py).
+//
+// Gated, W is a fused gate and up projection [2 I, K] (I a multiple of kGroup): each tile runs a group of
+// gate's rows, keeps its sums, then the group of up's rows I after them, and writes y [M, I] = silu(gate) *
+// up as silu_and_mul would (elementwise.cpp, the same function), so that the [M, 2 I] product is never
+// written and read back.
 
 #include <torch/extension.h>
 
@@ -17,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #include "checks.h"
 #include "floats.h"
@@ -33,12 +39,10 @@ constexpr int64_t kGroup = kVectors * kLanes;
 constexpr int kTileRows = kLanes == 16 ? 12 : 6;
 constexpr int64_t kAskAheadRows = 4;  // see packed_float_linear
 
-// x rows [0, MR) against a group's outputs [n0, n0 + kGroup) (w: its [K, kGroup]), into y; outputs from n_len
-// on are the group's zero padding, and are not stored. next, if not null: the [K, kGroup] to ask the caches
-// for meanwhile, one k's lines a step.
-template <int MR>
-void tile(const float* x, const float* w, const float* bias, float* y, int64_t k_len, int64_t n0, int64_t n_len,
-          const float* next) {
+// x rows [0, MR) against a group's [K, kGroup] at w: out(i, j, sum) takes row i's sum for the group's output
+// j. next, if not null: a [K, kGroup] to ask the caches for meanwhile, one k's lines a step.
+template <int MR, typename Out>
+void tile(const float* x, const float* w, int64_t k_len, const float* next, Out&& out) {
   Vec acc[MR][kVectors] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     if (next) {
@@ -54,38 +58,76 @@ void tile(const float* x, const float* w, const float* bias, float* y, int64_t k
     }
   }
   // Element by element (a copy of acc through memory would keep acc in memory in the loop above, too).
-  const int64_t width = std::min(kGroup, n_len - n0);
   for (int i = 0; i < MR; ++i) {
-    float* row = y + i * n_len + n0;
-    for (int64_t j = 0; j < width; ++j) {
-      row[j] = acc[i][j / kLanes][j % kLanes] + (bias ? bias[n0 + j] : 0.0f);
-    }
+    for (int64_t j = 0; j < kGroup; ++j) out(i, j, acc[i][j / kLanes][j % kLanes]);
   }
 }
 
-// Every row of x against the group of outputs from n0; the first tile asks for next (see tile()).
-void column(const float* x, const float* w, const float* bias, float* y, int64_t m_len, int64_t k_len, int64_t n0,
-            int64_t n_len, const float* next) {
+// block(rows, m) for each tile of x's m_len rows: rows (a std::integral_constant) from row m on.
+template <typename Block>
+void for_each_tile(int64_t m_len, Block&& block) {
   int64_t m = 0;
-  for (; m + kTileRows <= m_len; m += kTileRows, next = nullptr) {
-    tile<kTileRows>(x + m * k_len, w, bias, y + m * n_len, k_len, n0, n_len, next);
-  }
-  const float* xr = x + m * k_len;
-  float* yr = y + m * n_len;
+  for (; m + kTileRows <= m_len; m += kTileRows) block(std::integral_constant<int, kTileRows>{}, m);
   switch (m_len - m) {
-    case 11: tile<11>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 10: tile<10>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 9: tile<9>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 8: tile<8>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 7: tile<7>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 6: tile<6>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 5: tile<5>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 4: tile<4>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 3: tile<3>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 2: tile<2>(xr, w, bias, yr, k_len, n0, n_len, next); break;
-    case 1: tile<1>(xr, w, bias, yr, k_len, n0, n_len, next); break;
+    case 11: block(std::integral_constant<int, 11>{}, m); break;
+    case 10: block(std::integral_constant<int, 10>{}, m); break;
+    case 9: block(std::integral_constant<int, 9>{}, m); break;
+    case 8: block(std::integral_constant<int, 8>{}, m); break;
+    case 7: block(std::integral_constant<int, 7>{}, m); break;
+    case 6: block(std::integral_constant<int, 6>{}, m); break;
+    case 5: block(std::integral_constant<int, 5>{}, m); break;
+    case 4: block(std::integral_constant<int, 4>{}, m); break;
+    case 3: block(std::integral_constant<int, 3>{}, m); break;
+    case 2: block(std::integral_constant<int, 2>{}, m); break;
+    case 1: block(std::integral_constant<int, 1>{}, m); break;
     default: break;
   }
+}
+
+struct Operands {
+  const float* x;
+  const float* w;  // [groups, K, kGroup]
+  const float* bias;
+  float* y;
+  int64_t m_len, k_len, n_len;
+  const float* group(int64_t g) const { return w + g * k_len * kGroup; }
+};
+
+// Every row of x against group g, into y [M, N]; the first tile asks for next.
+void column(const Operands& o, int64_t g, const float* next) {
+  const int64_t n0 = g * kGroup, width = std::min(kGroup, o.n_len - n0);  // from width on: the group's padding
+  for_each_tile(o.m_len, [&](auto rows, int64_t m) {
+    float* y = o.y + m * o.n_len + n0;
+    tile<decltype(rows)::value>(o.x + m * o.k_len, o.group(g), o.k_len, m == 0 ? next : nullptr,
+                                [&](int i, int64_t j, float sum) {
+                                  if (j < width) y[i * o.n_len + j] = sum + (o.bias ? o.bias[n0 + j] : 0.0f);
+                                });
+  });
+}
+
+// Every row of x against gate's group g and up's group g + I / kGroup, into y [M, I] = silu(gate) * up; the
+// first tile asks for the next pair (next: its gate group).
+void gated_column(const Operands& o, int64_t g, const float* next) {
+  const int64_t inner = o.n_len / 2, n0 = g * kGroup, up = g + inner / kGroup;
+  const float* next_up = next ? next + inner * o.k_len : nullptr;
+  for_each_tile(o.m_len, [&](auto rows, int64_t m) {
+    constexpr int kRows = decltype(rows)::value;
+    const float* x = o.x + m * o.k_len;
+    float gates[kRows][kGroup], ups[kRows][kGroup];
+    tile<kRows>(x, o.group(g), o.k_len, m == 0 ? next : nullptr, [&](int i, int64_t j, float sum) {
+      gates[i][j] = sum + (o.bias ? o.bias[n0 + j] : 0.0f);
+    });
+    tile<kRows>(x, o.group(up), o.k_len, m == 0 ? next_up : nullptr, [&](int i, int64_t j, float sum) {
+      ups[i][j] = sum + (o.bias ? o.bias[inner + n0 + j] : 0.0f);
+    });
+    // A row of the group at once, vectorized as silu_and_mul's loop is (elementwise.cpp), whose vector exp
+    // differs from the scalar one in the last bit.
+    for (int i = 0; i < kRows; ++i) {
+      float* y = o.y + (m + i) * inner + n0;
+#pragma omp simd
+      for (int64_t j = 0; j < kGroup; ++j) y[j] = pagedserve::silu_mul<float>(gates[i][j], ups[i][j]);
+    }
+  });
 }
 
 }  // namespace
@@ -93,7 +135,7 @@ void column(const float* x, const float* w, const float* bias, float* y, int64_t
 int64_t packed_float_group() { return kGroup; }
 
 torch::Tensor packed_float_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                                  int64_t n_len) {
+                                  int64_t n_len, bool gated) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
   check_cpu(x, "x", torch::kFloat32);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
@@ -101,27 +143,32 @@ torch::Tensor packed_float_linear(torch::Tensor x, torch::Tensor packed, std::op
   check_cpu(packed, "packed", torch::kFloat32);
   check_shape(packed, "packed", {groups, k_len, kGroup, 1}, "[", groups, ", ", k_len, ", ", kGroup, ", 1]");
   check_contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(!gated || n_len % (2 * kGroup) == 0, "a gated weight's gate and up rows must each be a multiple of ",
+                    kGroup, ", not ", n_len, " / 2");
   if (bias) {
     check_cpu(*bias, "bias", torch::kFloat32);
     check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
     check_contiguous(*bias, "bias");
   }
   const auto xc = x.contiguous();
-  auto y = torch::empty({m_len, n_len}, x.options());
-  const float* xd = xc.data_ptr<float>();
-  const float* wd = packed.data_ptr<float>();
-  const float* bd = bias ? bias->data_ptr<float>() : nullptr;
-  float* yd = y.data_ptr<float>();
+  auto y = torch::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
+  const Operands o{xc.data_ptr<float>(), packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                   y.data_ptr<float>(), m_len, k_len, n_len};
   // A decode step's few rows read each group once, from memory: the first tile of each group asks for the
   // thread's next group, so that its reads overlap this one's arithmetic. SmolLM2's 120 GEMMs at 4 / 6 / 12 /
   // 19 rows took 15.7 / 15.2 / 23.1 / 33.9 ms so, against 17.8 / 17.6 / 26.5 / 36.0 without (the AVX2 EPYC, one
   // run), and the same at 32 rows and up; below 4 rows, where loads bound the loop and the hardware's
   // prefetcher keeps up, it was slower.
   const bool ask_ahead = m_len >= kAskAheadRows;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t group = begin; group < end; ++group) {
-      const float* next = ask_ahead && group + 1 < end ? wd + (group + 1) * k_len * kGroup : nullptr;
-      column(xd, wd + group * k_len * kGroup, bd, yd, m_len, k_len, group * kGroup, n_len, next);
+  const int64_t items = gated ? groups / 2 : groups;  // gated, each runs gate's group and up's
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const float* next = ask_ahead && g + 1 < end ? o.group(g + 1) : nullptr;
+      if (gated) {
+        gated_column(o, g, next);
+      } else {
+        column(o, g, next);
+      }
     }
   });
   return y;
