@@ -9,11 +9,15 @@ pool, HOST for its host-memory tier, DISK for its disk tier (a page may be in se
 goes away the stream ends with UNAVAILABLE and the gateway subscribes again from its last sequence number,
 which a restarted daemon refuses with OUT_OF_RANGE: the gateway then drops what it knew of this node and
 starts over from the whole state.
+
+A worker's pages are cached under its kv_namespace, the model and the precision of its weights; the events
+are those of the first serving worker's namespace (one stream has one sequence of numbers), and a flush
+drops the idle pages of every serving worker's.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from smg_grpc_proto.generated import common_pb2
@@ -41,36 +45,46 @@ class NodeCache:
     def __init__(
         self,
         address: str,
-        model_id: str,
         secret: str | None,
-        worker_info: Callable[[], worker_pb2.WorkerInfo | None],
+        worker_infos: Callable[[], Sequence[worker_pb2.WorkerInfo]],
     ) -> None:
         self.address = address
-        self._model_id = model_id
         self._metadata = secret_metadata(secret)
-        self._worker_info = worker_info
+        self._worker_infos = worker_infos
 
     async def flush(self) -> int:
-        """Drop the model's cached pages that no request uses; returns how many."""
+        """Drop the model's cached pages that no request uses, at every precision its workers run; returns
+        how many."""
+        pages = 0
         async with self._channel() as channel:
             stub = memory_pb2_grpc.MemoryDaemonStub(channel)
-            request = memory_pb2.FlushPrefixIndexRequest(model_id=self._model_id)
-            try:
-                response = await stub.FlushPrefixIndex(request, metadata=self._metadata, timeout=10)
-            except grpc.aio.AioRpcError as exc:
-                raise self._unavailable(exc) from None
-        return int(response.pages)
+            for namespace in dict.fromkeys(info.kv_namespace for info in self._serving()):
+                request = memory_pb2.FlushPrefixIndexRequest(model_id=namespace)
+                try:
+                    response = await stub.FlushPrefixIndex(request, metadata=self._metadata, timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    raise self._unavailable(exc) from None
+                pages += response.pages
+        return pages
 
     async def events(self, after: int) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The batches after sequence number `after` (0: the whole state first), then each new one."""
+        first = self._serving()[0]
         async with self._channel() as channel:
             stub = memory_pb2_grpc.MemoryDaemonStub(channel)
-            request = memory_pb2.WatchPrefixIndexRequest(model_id=self._model_id, after_sequence=after)
+            request = memory_pb2.WatchPrefixIndexRequest(model_id=first.kv_namespace, after_sequence=after)
             try:
                 async for batch in stub.WatchPrefixIndex(request, metadata=self._metadata):
-                    yield self._to_smg(batch)
+                    yield self._to_smg(batch, first.page_size)
             except grpc.aio.AioRpcError as exc:
                 raise self._unavailable(exc) from None
+
+    def _serving(self) -> Sequence[worker_pb2.WorkerInfo]:
+        """The serving workers' reports: each names the namespace its pages are cached under."""
+        infos = self._worker_infos()
+        if not infos:
+            raise Unavailable("no worker has said yet how it caches the model's pages; retry")
+        return infos
 
     def _channel(self) -> _CheckedChannel:
         return _CheckedChannel(self.address)
@@ -81,10 +95,8 @@ class NodeCache:
             return StatusError.of(exc.code().name, str(exc.details()))
         return Unavailable(f"the node's memory daemon at {self.address}: {exc.code().name}: {exc.details()}")
 
-    def _to_smg(self, batch: memory_pb2.PrefixIndexBatch) -> common_pb2.KvEventBatch:
+    def _to_smg(self, batch: memory_pb2.PrefixIndexBatch, page_size: int) -> common_pb2.KvEventBatch:
         out = common_pb2.KvEventBatch(sequence_number=batch.sequence, timestamp=batch.timestamp)
-        info = self._worker_info()
-        page_size = info.page_size if info is not None else 0  # a worker reports it before anything is cached
         for event_id, change in enumerate(batch.changes, start=1):
             event = out.events.add(event_id=event_id)
             kind = change.WhichOneof("change")

@@ -262,7 +262,11 @@ class Router:
 
     def worker_info(self) -> worker_pb2.WorkerInfo | None:
         """How the model runs, as the first worker that serves it reported; None before one has."""
-        return next((link.info for link in self.links if link.serves_model), None)
+        return next(iter(self.worker_infos()), None)
+
+    def worker_infos(self) -> list[worker_pb2.WorkerInfo]:
+        """What each worker that serves the model reported, in --workers order."""
+        return [link.info for link in self.links if link.info is not None and link.serves_model]
 
     def limits(self) -> ModelLimits:
         """The model's limits, as its workers report them; Unavailable until one has been reached."""

@@ -171,7 +171,7 @@ def _vllm_service(
     frontend knows it."""
     node_cache = None
     if gateway and config.daemon:
-        node_cache = NodeCache(config.daemon, facts.model_id, config.secret, pipeline.router.worker_info)
+        node_cache = NodeCache(config.daemon, config.secret, pipeline.router.worker_infos)
     return VllmEngineService(pipeline, facts, node_cache, config.drain_timeout_s, gateway=gateway)
 
 

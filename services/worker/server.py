@@ -48,6 +48,7 @@ class LoadedWorker:
     engine: Engine
     model_dir: Path
     model_id: str
+    kv_namespace: str  # what its pages are cached under in the daemon (kv_namespace)
     attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
     attach_draft: Callable[[], KVCache] | None  # the same for the draft model's pool (--draft-model)
     dtype: str  # the model's, e.g. "bfloat16" (its pool's may be narrower: --kv-cache-dtype)
@@ -73,6 +74,21 @@ def model_dtype(config: WorkerConfig, backend: KernelBackend) -> tuple[torch.dty
     if isinstance(backend, CpuBackend):
         return cpu_features().best_dtype()
     return torch.float32, "float32: auto tries bfloat16 only with the C++ CPU kernels"
+
+
+def kv_namespace(model_id: str, model: CausalLM, quantization: str, kv_dtype: str) -> str:
+    """The daemon's name for a worker's cached pages: the model's, and how its keys and values were computed
+    and kept. A worker reuses only pages it would have written itself: a bfloat16 model's keys and values
+    differ from a float32 model's, also where both keep them in a bfloat16 pool, an int8 model's differ from
+    both (rounding the activations to int8 too, or not, differs again), and a float32 model's rounded to a
+    bfloat16 pool differ from those kept whole."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    precision = dtype
+    if quantization == "int8":
+        precision += "-w8a8" if int8_activations(model.weights) else "-w8a16"
+    if kv_dtype != dtype:
+        precision += f"-kv-{kv_dtype}"
+    return f"{model_id}@{precision}"
 
 
 def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None) -> LoadedWorker:
@@ -102,17 +118,14 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
             "--dtype float32"
         )
     shape = spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
-    kv, attach = _pool(config, shape, model_id, config.kv_memory_bytes, config.name, on_lost)
+    namespace = kv_namespace(model_id, model, config.quantization, kv_dtype)
+    kv, attach = _pool(config, shape, namespace, config.kv_memory_bytes, config.name, on_lost)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
-    weights = dtype_name
-    if config.quantization == "int8":
-        weights += ", int8 linear layers"
-        if int8_activations(model.weights):
-            weights += " times activations rounded to int8 a row"
     log.info(
-        "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages in %s %s",
-        *(model_dir, spec.model_type, parameters, config.device, weights, kv.num_pages - 1, kv_dtype, where),
+        "loaded %s (%s, %s parameters) on %s; KV pool of %d pages in %s %s, its pages cached as %r",
+        *(model_dir, spec.model_type, parameters, config.device),
+        *(kv.num_pages - 1, kv_dtype, where, namespace),
     )
     graphs = None
     if device.type == "cuda" and config.cuda_graphs and backend.name != "cupy":
@@ -126,13 +139,13 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
         proposer, attach_draft = _load_draft(config, model, tokenizer, kv.num_pages, backend, kv_dtype)
     grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids) if tokenizer is not None else None
     engine = Engine(EngineCore(model, kv, config.engine, graphs, grammars, proposer))
-    return LoadedWorker(engine, model_dir, model_id, attach, attach_draft, dtype_name)
+    return LoadedWorker(engine, model_dir, model_id, namespace, attach, attach_draft, dtype_name)
 
 
 def _pool(
     config: WorkerConfig,
     shape: PoolShape,
-    model_id: str,
+    namespace: str,
     memory_bytes: int,
     name: str,
     on_lost: Callable[[], None] | None,
@@ -140,11 +153,11 @@ def _pool(
     """A KV pool of this shape, and how to lease it anew: the daemon's, or (without one) in-process."""
     if config.daemon_address is None:
         device = torch.device(config.device)
-        return LocalKVCache(shape, memory_bytes // shape.page_bytes, model_id=model_id, device=device), None
+        return LocalKVCache(shape, memory_bytes // shape.page_bytes, model_id=namespace, device=device), None
     attach = functools.partial(
         DaemonKVCache,
         config.daemon_address,
-        model_id=model_id,
+        model_id=namespace,
         shape=shape,
         worker_name=name,
         memory_bytes=memory_bytes,
@@ -179,9 +192,8 @@ def _load_draft(
         draft_dir, dtype=target.dtype, device=target.device, backend=backend, quantization=config.quantization
     )
     shape = model.spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
-    kv, attach = _pool(
-        config, shape, model_identity(draft_dir), num_pages * shape.page_bytes, f"{config.name}/draft", None
-    )
+    namespace = kv_namespace(model_identity(draft_dir), model, config.quantization, kv_dtype)
+    kv, attach = _pool(config, shape, namespace, num_pages * shape.page_bytes, f"{config.name}/draft", None)
     log.info(
         "draft model %s (%.0fM parameters): %d tokens a draft; KV pool of %d pages",
         *(draft_dir, model.spec.num_parameters / 1e6, config.engine.num_speculative_tokens, kv.num_pages - 1),
@@ -264,7 +276,7 @@ async def serve_loaded(
     config: WorkerConfig, loaded: LoadedWorker, compute: ThreadPoolExecutor, lost: asyncio.Event
 ) -> None:
     engine = loaded.engine
-    info = worker_info(config, loaded.model_dir, loaded.model_id, engine.spec, loaded.dtype)
+    info = worker_info(config, loaded, engine.spec)
     service = WorkerService(engine, info, asyncio.get_running_loop(), config.stall_timeout_s)
     if config.metrics.port:
         instrument(engine)

@@ -16,8 +16,7 @@ import itertools
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -30,6 +29,9 @@ from services.common.wire import HEARTBEAT_S, error_fields, request_from_pb
 from services.worker.config import WorkerConfig
 from services.worker.core.loop import Engine, RequestOutput, TokenLogprob
 from services.worker.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from services.worker.server import LoadedWorker  # which imports this module
 
 log = logging.getLogger(__name__)
 
@@ -212,16 +214,15 @@ def logprobs_pb(logprob: TokenLogprob) -> generation_pb2.TokenLogprobs:
     return generation_pb2.TokenLogprobs(token_id=logprob.token_id, logprob=logprob.logprob, top=top)
 
 
-def worker_info(
-    config: WorkerConfig, model_dir: Path, model_id: str, spec: ModelSpec, dtype: str
-) -> worker_pb2.WorkerInfo:
+def worker_info(config: WorkerConfig, loaded: LoadedWorker, spec: ModelSpec) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(
-        model_id=model_id,
-        model_dir=str(model_dir),
+        model_id=loaded.model_id,
+        kv_namespace=loaded.kv_namespace,
+        model_dir=str(loaded.model_dir),
         max_model_len=spec.max_model_len,
         vocab_size=spec.vocab_size,
         eos_token_ids=spec.eos_token_ids,
-        dtype=dtype,
+        dtype=loaded.dtype,
         device=config.device,
         page_size=config.page_size,
         worker_name=config.name,

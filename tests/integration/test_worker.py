@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
@@ -207,6 +208,7 @@ def test_health_info_and_load(stack: tuple[DaemonProcess, ServiceProcess], strea
     assert info.model_id.startswith("SmolLM2-135M-Instruct-")
     assert (info.max_model_len, info.vocab_size, list(info.eos_token_ids)) == (8192, 49152, [2])
     assert (info.dtype, info.device, info.page_size) == ("float32", "cpu", 16)
+    assert info.kv_namespace == f"{info.model_id}@float32"
     load = stream.stub.GetLoad(worker_pb2.GetLoadRequest())
     assert load.kv_pages_total == pool_counts(stack[0].address).total_pages
 
@@ -232,3 +234,37 @@ def test_the_prefix_cache_outlives_a_worker_restart(
     assert second.stop() == 0
     assert after[-1].cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
     assert tokens(after) == tokens(before)
+
+
+def test_a_worker_reuses_only_the_pages_its_own_precision_computed(
+    run_dir: Path, daemon: DaemonProcess, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Workers of one model at different precisions on one daemon: a bfloat16 model's keys and values differ
+    from those of a float32 model that keeps them in a bfloat16 pool (the same pool), those from a float32
+    model's kept whole, and an int8 model's from a float32 model's. Each finds in the prefix cache only what
+    a worker of its own precision left."""
+    prompt = chat(tokenizer, "Describe the rivers and the bridges of Paris. " * 6)
+    options = SamplingOptions(max_tokens=4, temperature=0.0)
+    full_pages = (len(prompt) - 1) // 16 * 16
+    runs = [  # name, flags, the precision its pages are cached under, the prompt tokens it finds cached
+        ("bf16", ("--dtype", "bfloat16"), "bfloat16", 0),
+        ("fp32-bf16-pool", ("--dtype", "float32", "--kv-cache-dtype", "bfloat16"), "float32-kv-bfloat16", 0),
+        ("bf16-again", ("--dtype", "bfloat16"), "bfloat16", full_pages),
+        ("fp32", ("--dtype", "float32"), "float32", 0),
+        ("int8", ("--dtype", "float32", "--quantization", "int8"), "float32-w8a", 0),
+        ("int8-again", ("--dtype", "float32", "--quantization", "int8"), "float32-w8a", full_pages),
+    ]
+    for name, flags, precision, cached in runs:
+        worker = start_worker(run_dir, daemon.address, "--kv-memory", "64MiB", *flags, name=name)
+        connection = WorkerStream(worker.address)
+        info = connection.stub.GetInfo(worker_pb2.GetInfoRequest())
+        connection.submit("p", prompt, options)
+        outputs = connection.collect({"p"})["p"]
+        connection.close()
+        assert worker.stop() == 0, worker.log()
+        assert outputs[-1].cached_prompt_tokens == cached, (name, info.kv_namespace)
+        assert info.kv_namespace.startswith(f"{info.model_id}@{precision}"), (name, info.kv_namespace)
+    with internal_channel(daemon.address) as channel:
+        stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest())
+    namespaces = {publisher.model_id.split("@")[1] for pool in stats.pools for publisher in pool.publishers}
+    assert {"bfloat16", "float32-kv-bfloat16", "float32"} < namespaces and len(namespaces) == 4, namespaces

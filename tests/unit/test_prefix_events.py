@@ -14,7 +14,6 @@ from memory_daemon.prefix import Published, salted_root
 from memory_daemon.prefix_events import DISK, HOST, MAX_BEHIND, Batch, Cleared, ModelEvents, Removed, Stored
 from memory_daemon.wire import batch_to_pb
 from pagedserve.plumbing.errors import DataLoss, OutOfRange
-from pagedserve.worker.v1 import worker_pb2
 from services.frontend.node_cache import NodeCache, block_hash
 from tests.unit.ledgers import KEYS
 
@@ -132,8 +131,7 @@ def test_a_gateway_reads_each_medium_as_its_kv_cache_tier() -> None:
     batch = Batch(7, 1.0, (Stored(KEYS[0], b"", TOKENS[0]), Stored(KEYS[0], b"", TOKENS[0], DISK),
                            Stored(KEYS[0], b"", TOKENS[0], HOST), Removed(KEYS[0]), Removed(KEYS[0], DISK),
                            Removed(KEYS[0], HOST)))  # fmt: skip
-    info = worker_pb2.WorkerInfo(page_size=16)
-    events = NodeCache("unix:/nowhere", "m", None, lambda: info)._to_smg(batch_to_pb(batch)).events
+    events = NodeCache("unix:/nowhere", None, list)._to_smg(batch_to_pb(batch), 16).events
     tiers = [(getattr(e, e.WhichOneof("data")).tier, getattr(e, e.WhichOneof("data")).medium) for e in events]
     device, disk = common_pb2.KV_CACHE_TIER_DEVICE, common_pb2.KV_CACHE_TIER_DISK
     host = common_pb2.KV_CACHE_TIER_HOST

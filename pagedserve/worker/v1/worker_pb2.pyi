@@ -90,7 +90,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "model_dir", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "page_size", "worker_name", "kv_cache_dtype")
+    __slots__ = ("model_id", "model_dir", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "page_size", "worker_name", "kv_cache_dtype", "kv_namespace")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class WorkerInfo(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_dir: str
     max_model_len: int
@@ -111,4 +112,5 @@ class WorkerInfo(_message.Message):
     page_size: int
     worker_name: str
     kv_cache_dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., page_size: _Optional[int] = ..., worker_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    kv_namespace: str
+    def __init__(self, model_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., page_size: _Optional[int] = ..., worker_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_namespace: _Optional[str] = ...) -> None: ...
