@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,20 @@ REPO = Path(__file__).resolve().parents[1]
 SECRET = os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(16))
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float, log: Callable[[], str] = str) -> int:
+    """SIGTERM proc and return its exit status; one still running after timeout_s is SIGKILLed and the test
+    fails, so that a process that hangs stopping never runs on into the next tests."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise AssertionError(f"{proc.args} did not stop within {timeout_s} s of SIGTERM, so it was killed:\n"
+                             f"{log()[-4000:]}") from None  # fmt: skip
+
+
 @dataclass
 class ServiceProcess:
     """A pagedserve process serving gRPC at address, its output in log_path."""
@@ -41,11 +55,9 @@ class ServiceProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
+    def stop(self, timeout_s: float = 30) -> int:
+        """SIGTERM and wait; returns the exit status (see terminate)."""
+        return terminate(self.proc, timeout_s, self.log)
 
     def kill(self) -> None:
         self.proc.kill()
@@ -189,10 +201,9 @@ class Stack:
         (pid,) = [int(line.split()[0]) for line in self.survivors() if f"services.cli {role} " in line]
         return pid
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM and wait; returns the exit status (see terminate: its children die with it)."""
+        return terminate(self.proc, timeout_s, self.log)
 
 
 STACKS: list[Stack] = []  # every stack the tests started, so that a failed test cannot leak one

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.common.default_model import default_model_dir
-from tests.procs import REPO, SECRET, free_port, start_daemon
+from tests.procs import REPO, SECRET, free_port, start_daemon, terminate
 from tests.second_user import (
     folder_of_second_user,
     python_as_second_user,
@@ -39,16 +38,6 @@ def start(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """A pagedserve process as this (root) user, with the stack's secret in its environment."""
     with open(log_path, "wb") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(timeout=30)
 
 
 def exited_or(proc: subprocess.Popen[bytes], log_path: Path, *signs: str) -> str | None:
@@ -76,7 +65,7 @@ def test_up_refuses_a_run_folder_another_user_made(tmp_path: Path, their_folder:
     try:
         wait_until(lambda: exited_or(proc, log_path, "pagedserve is up"), 300, "up to stop or come up")
     finally:
-        status = stop(proc)
+        status = terminate(proc, 60)
     assert precious.read_text() == "root's own data\n", "up wrote through another user's symlink"
     last_line = log_path.read_text().splitlines()[-1]
     assert status == 2 and last_line.startswith("pagedserve up: error: --run-dir "), log_path.read_text()
@@ -101,7 +90,7 @@ def test_a_run_folder_reached_through_another_users_symlink_is_refused(
     try:
         wait_until(lambda: exited_or(proc, log_path, "pagedserve is up", "serving on"), 300, "a refusal")
     finally:
-        status = stop(proc)
+        status = terminate(proc, 60)
     last_line = log_path.read_text().splitlines()[-1]
     assert status == 2 and last_line.startswith(f"pagedserve {prog}: error: {flag} "), last_line
     assert f"{their_folder}, above {their_folder}/link/" in last_line, last_line
@@ -127,7 +116,7 @@ def test_a_worker_refuses_its_daemon_reached_through_another_users_symlink(
         wait_until(lambda: exited_or(proc, log_path, "serving on", "refusing to send"), 300,
                    lambda: f"the worker to attach or give up:\n{log_path.read_text()}")  # fmt: skip
     finally:
-        stop(proc)
+        terminate(proc, 60)
         assert daemon.stop() == 0
         shutil.rmtree(daemon.shm_dir, ignore_errors=True)
     log = log_path.read_text()
@@ -168,8 +157,8 @@ def test_a_worker_sends_no_secret_to_a_socket_another_user_put_there(
         wait_until(lambda: exited_or(proc, log_path, "serving on") or secrets_received(fake_log), 120,
                    lambda: f"the worker to attach or give up:\n{log_path.read_text()}")  # fmt: skip
     finally:
-        stop(proc)
-        stop(fake)
+        terminate(proc, 60)
+        terminate(fake, 60)
     assert not secrets_received(fake_log), "the worker sent the stack's secret to another user's socket"
     assert "refusing to send the stack's secret to " + address in log_path.read_text()
     assert f"belongs to uid {os.stat(their_folder).st_uid}" in log_path.read_text()
@@ -190,8 +179,8 @@ def test_the_frontend_sends_no_secret_to_a_socket_another_user_put_there(
         wait_until(lambda: exited_or(proc, log_path, sign) or secrets_received(fake_log), 120,
                    lambda: f"the frontend to reach its worker:\n{log_path.read_text()}")  # fmt: skip
     finally:
-        stop(proc)
-        stop(fake)
+        terminate(proc, 60)
+        terminate(fake, 60)
     assert not secrets_received(fake_log), "the frontend sent the stack's secret to another user's socket"
     assert f"worker {address} is not up: PERMISSION_DENIED: refusing to send" in log_path.read_text()
 
@@ -223,8 +212,8 @@ def test_a_worker_maps_no_file_a_fake_daemon_names(
     try:
         wait_until(lambda: exited_or(proc, log_path, "serving on"), 120, "the worker to serve or give up")
     finally:
-        stop(proc)
-        stop(fake)
+        terminate(proc, 60)
+        terminate(fake, 60)
     log = log_path.read_text()
     assert precious.read_bytes() == b"root's own bytes\n", "the worker resized a file of root's"
     assert "serving on" not in log, "the worker mapped a pool file the daemon has no business naming"
