@@ -10,7 +10,7 @@ goes away the stream ends with UNAVAILABLE and the gateway subscribes again from
 which a restarted daemon refuses with OUT_OF_RANGE: the gateway then drops what it knew of this node and
 starts over from the whole state.
 
-A worker's pages are cached under its kv_namespace, the model and the precision of its weights; the events
+A worker's pages are cached under its kv_namespace, the model and the precision that computed them; the events
 are those of the first serving worker's namespace (one stream has one sequence of numbers), and a flush
 drops the idle pages of every serving worker's.
 """

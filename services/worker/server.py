@@ -122,9 +122,14 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     kv, attach = _pool(config, shape, namespace, config.kv_memory_bytes, config.name, on_lost)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
+    weights = dtype_name
+    if config.quantization == "int8":
+        weights += ", int8 linear layers"
+        if int8_activations(model.weights):
+            weights += " times activations rounded to int8 a row"
     log.info(
-        "loaded %s (%s, %s parameters) on %s; KV pool of %d pages in %s %s, its pages cached as %r",
-        *(model_dir, spec.model_type, parameters, config.device),
+        "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages in %s %s, its pages cached as %r",
+        *(model_dir, spec.model_type, parameters, config.device, weights),
         *(kv.num_pages - 1, kv_dtype, where, namespace),
     )
     graphs = None
