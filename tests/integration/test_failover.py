@@ -26,6 +26,7 @@ import pytest
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
 from tests.clients import Scrape, every_page_accounted, internal_channel, pool_counts
 from tests.integration.failover_calls import (
@@ -149,11 +150,13 @@ def failovers(stack: Stack, outcome: str) -> float:
     return Scrape(endpoints["frontend"]["metrics"])("pagedserve_failovers_total", outcome=outcome)
 
 
-def flush_prefix_cache(stack: Stack, stub: generation_pb2_grpc.GenerationStub) -> None:
-    model_id = stub.GetModelInfo(pb.GetModelInfoRequest()).model_id
+def flush_prefix_cache(stack: Stack) -> None:
+    """Drop the idle cached pages of the namespace the stack's workers cache under (all run alike)."""
+    with internal_channel(stack.worker_address(0)) as channel:
+        namespace = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest()).kv_namespace
     with internal_channel(stack.daemon_address) as channel:
         memory_pb2_grpc.MemoryDaemonStub(channel).FlushPrefixIndex(
-            memory_pb2.FlushPrefixIndexRequest(model_id=model_id)
+            memory_pb2.FlushPrefixIndexRequest(model_id=namespace)
         )
 
 
@@ -178,7 +181,7 @@ def lose_a_worker(
 ) -> None:
     """Run the calls, lose worker-0 to `how` while it holds every kind; check what clients got."""
     wait_until(lambda: links_up(stack), 120, "the frontend's links to both workers")
-    flush_prefix_cache(stack, stub)
+    flush_prefix_cache(stack)
     hits, moved = pool_counts(stack.daemon_address).prefix_hit_pages, failovers(stack, "moved")
     restarts = stack.log().count("worker-0 is back")
     lost, kept = place(stack, stub, reference)
