@@ -22,7 +22,7 @@ from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
 from pagedserve.plumbing.rpc import start_server, stop_signal
-from pagedserve.worker.v1 import worker_pb2_grpc
+from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
 from services.worker.core.cuda_graphs import DecodeGraphs
@@ -36,7 +36,7 @@ from services.worker.kv.remote import DaemonError, DaemonKVCache
 from services.worker.metrics import instrument
 from services.worker.models import CausalLM, ModelRefused, load_model
 from services.worker.models.quantized import int8_activations
-from services.worker.service import SERVICE_NAME, WorkerService, worker_info
+from services.worker.service import SERVICE_NAME, WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,23 @@ class LoadedWorker:
     attach: Callable[[], KVCache] | None  # a fresh lease on the daemon's pool; None for an in-process pool
     attach_draft: Callable[[], KVCache] | None  # the same for the draft model's pool (--draft-model)
     dtype: str  # the model's, e.g. "bfloat16" (its pool's may be narrower: --kv-cache-dtype)
+
+    def info(self, config: WorkerConfig) -> worker_pb2.WorkerInfo:
+        """What GetInfo answers."""
+        spec = self.engine.spec
+        return worker_pb2.WorkerInfo(
+            model_id=self.model_id,
+            kv_namespace=self.kv_namespace,
+            model_dir=str(self.model_dir),
+            max_model_len=spec.max_model_len,
+            vocab_size=spec.vocab_size,
+            eos_token_ids=spec.eos_token_ids,
+            dtype=self.dtype,
+            device=config.device,
+            page_size=config.page_size,
+            worker_name=config.name,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
 
 
 def kernel_backend(config: WorkerConfig, device: torch.device) -> KernelBackend:
@@ -281,7 +298,7 @@ async def serve_loaded(
     config: WorkerConfig, loaded: LoadedWorker, compute: ThreadPoolExecutor, lost: asyncio.Event
 ) -> None:
     engine = loaded.engine
-    info = worker_info(config, loaded, engine.spec)
+    info = loaded.info(config)
     service = WorkerService(engine, info, asyncio.get_running_loop(), config.stall_timeout_s)
     if config.metrics.port:
         instrument(engine)

@@ -16,7 +16,7 @@ import itertools
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -26,12 +26,7 @@ from pagedserve.plumbing.errors import InvalidArgument, StatusError
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.wire import HEARTBEAT_S, error_fields, request_from_pb
-from services.worker.config import WorkerConfig
 from services.worker.core.loop import Engine, RequestOutput, TokenLogprob
-from services.worker.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from services.worker.server import LoadedWorker  # which imports this module
 
 log = logging.getLogger(__name__)
 
@@ -212,19 +207,3 @@ def output_pb(request_id: str, output: RequestOutput) -> worker_pb2.RequestOutpu
 def logprobs_pb(logprob: TokenLogprob) -> generation_pb2.TokenLogprobs:
     top = [generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top]
     return generation_pb2.TokenLogprobs(token_id=logprob.token_id, logprob=logprob.logprob, top=top)
-
-
-def worker_info(config: WorkerConfig, loaded: LoadedWorker, spec: ModelSpec) -> worker_pb2.WorkerInfo:
-    return worker_pb2.WorkerInfo(
-        model_id=loaded.model_id,
-        kv_namespace=loaded.kv_namespace,
-        model_dir=str(loaded.model_dir),
-        max_model_len=spec.max_model_len,
-        vocab_size=spec.vocab_size,
-        eos_token_ids=spec.eos_token_ids,
-        dtype=loaded.dtype,
-        device=config.device,
-        page_size=config.page_size,
-        worker_name=config.name,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
