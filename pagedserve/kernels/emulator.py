@@ -29,8 +29,17 @@ from pagedserve.kernels.nvrtc import CSRC, source
 from pagedserve.plumbing.paths import cache_dir
 
 # The host compiler's flags: no strict aliasing, as NVRTC's sources read 16-bit types through other
-# types' pointers; no _FORTIFY_SOURCE, whose longjmp check refuses the jump between fiber stacks.
-CXXFLAGS = ["-std=c++20", "-O1", "-fPIC", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE", "-w"]
+# types' pointers; no _FORTIFY_SOURCE, whose longjmp check refuses the jump between fiber stacks; hidden
+# symbols but the entry points (emulate.h's EMULATE_ENTRY).
+CXXFLAGS = [
+    "-std=c++20",
+    "-O1",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-fno-strict-aliasing",
+    "-U_FORTIFY_SOURCE",
+    "-w",
+]
 RACECHECK_FLAGS = [
     "-fsanitize=thread",
     "--param",

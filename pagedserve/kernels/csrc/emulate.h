@@ -166,27 +166,34 @@ inline int lane() { return self().flat % kWarpSize; }
 
 inline Barrier& my_warp() { return block->warps[self().flat / kWarpSize]; }
 
-// Every lane's value, in lane order: each lane puts its own, and all read them after a warp barrier.
-inline void gather(uint64_t value, uint64_t (&all)[kWarpSize]) {
+// Puts this lane's value in its slot and waits until every lane of the warp has put its own: the warp's
+// slots, lane 0's first, which hold until the warp's meeting after next (they are double-buffered).
+inline const uint64_t* meet(uint64_t value) {
   Barrier& warp = my_warp();
   std::vector<uint64_t>& slots = block->slots[warp.generation & 1];
-  const int first = self().flat - lane();
   slots[self().flat] = value;
   arrive(warp);
-  for (int i = 0; i < warp.size; ++i) all[i] = slots[first + i];
+  return slots.data() + self().flat - lane();
 }
 
-// Every lane puts its value, then reads the value of lane `source(lane)`.
+// Every lane's value, in lane order.
+inline void gather(uint64_t value, uint64_t (&all)[kWarpSize]) {
+  const uint64_t* lanes = meet(value);
+  std::copy(lanes, lanes + my_warp().size, all);
+}
+
+// Every lane puts its value, then reads the value of lane `source(lane)`: that one alone, as a shuffle is
+// the emulator's most frequent meeting.
 template <class T, class Source>
 T exchange(T value, Source source) {
   static_assert(sizeof(T) <= sizeof(uint64_t));
-  uint64_t bits = 0, all[kWarpSize];
+  uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(T));
-  gather(bits, all);
+  const uint64_t* lanes = meet(bits);
   const int from = source(lane());
   if (from < 0 || from >= my_warp().size) return value;  // out of the warp: a GPU returns the lane's own value
   T out;
-  std::memcpy(&out, &all[from], sizeof(T));
+  std::memcpy(&out, &lanes[from], sizeof(T));
   return out;
 }
 
@@ -285,24 +292,34 @@ __attribute__((no_sanitize("thread"))) inline void access(const void* address, s
   }
 }
 
+// Whether p is in shared memory: most of the loads and stores the hooks see are not, and this is all they
+// cost then.
+__attribute__((no_sanitize("thread"))) inline bool in_shared(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  for (const Region& r : regions)
+    if (address - reinterpret_cast<uintptr_t>(r.begin) < r.size) return true;
+  return false;
+}
+
 }  // namespace emu::race
 
 // The hooks GCC's -fsanitize=thread calls around each memory access (and at load); only shared memory counts.
-#define EMU_RACE_HOOKS(n)                                                                                   \
-  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_read##n(void* p) { emu::race::access(p, n, false); }  \
-  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_write##n(void* p) { emu::race::access(p, n, true); }  \
-  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_unaligned_read##n(void* p) {           \
-    emu::race::access(p, n, false);                                                                     \
-  }                                                                                                     \
-  extern "C" __attribute__((no_sanitize("thread"))) void __tsan_unaligned_write##n(void* p) {          \
-    emu::race::access(p, n, true);                                                                      \
+#define EMU_RACE_HOOK(name, n, write)                                    \
+  extern "C" __attribute__((no_sanitize("thread"))) void name(void* p) { \
+    if (emu::race::in_shared(p)) emu::race::access(p, n, write);        \
   }
+#define EMU_RACE_HOOKS(n)                           \
+  EMU_RACE_HOOK(__tsan_read##n, n, false)           \
+  EMU_RACE_HOOK(__tsan_write##n, n, true)           \
+  EMU_RACE_HOOK(__tsan_unaligned_read##n, n, false) \
+  EMU_RACE_HOOK(__tsan_unaligned_write##n, n, true)
 EMU_RACE_HOOKS(1)
 EMU_RACE_HOOKS(2)
 EMU_RACE_HOOKS(4)
 EMU_RACE_HOOKS(8)
 EMU_RACE_HOOKS(16)
 #undef EMU_RACE_HOOKS
+#undef EMU_RACE_HOOK
 extern "C" __attribute__((no_sanitize("thread"))) void __tsan_read_range(void* p, unsigned long n) {
   emu::race::access(p, n, false);
 }
@@ -430,10 +447,12 @@ std::string launch(void (*kernel)(Params...), dim3 grid, dim3 threads, std::size
 }  // namespace emu
 
 // One C entry point per kernel, for ctypes: returns 0, or 1 with the reason in `error` (a buffer of 512).
+// The only symbols the library exports (it is built with -fvisibility=hidden, so that its own calls and
+// variables need no lookup through the GOT: the race checker's hooks run at every load and store).
 #define EMULATE_ENTRY(function)                                                                          \
-  extern "C" int emulate_##function(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,    \
-                                    unsigned bz, int64_t shared_bytes, void** args, const int64_t* sizes, \
-                                    int count, char* error) {                                            \
+  extern "C" __attribute__((visibility("default"))) int emulate_##function(                             \
+      unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, int64_t shared_bytes, \
+      void** args, const int64_t* sizes, int count, char* error) {                                       \
     const std::string message =                                                                          \
         emu::launch(function, {gx, gy, gz}, {bx, by, bz}, shared_bytes, args, sizes, count);            \
     std::snprintf(error, 512, "%s", message.c_str());                                                   \
