@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -206,13 +207,24 @@ class Stack:
         return terminate(self.proc, timeout_s, self.log)
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_TEST_PORT = 10000
 STACKS: list[Stack] = []  # every stack the tests started, so that a failed test cannot leak one
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port nothing listens on, from below the kernel's ephemeral range: one it hands out for a bind to 0
+    could go to another process (a worker's metrics port, a client's connection) before the test's process
+    binds it, and CI once saw a frontend refused its port so."""
+    low = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 0
+    while True:
+        port = random.randrange(FIRST_TEST_PORT, low) if low > FIRST_TEST_PORT + 1000 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken
+            return probe.getsockname()[1]
 
 
 def launch_stack(run_dir: Path, *extra: str, host: str = "127.0.0.1") -> Stack:

@@ -1,14 +1,17 @@
-"""tests/procs.py: a test's process that hangs stopping is killed, and the test fails."""
+"""tests/procs.py: a test's process that hangs stopping is killed, and the test fails; a free port is one no
+bind to port 0 can be handed. tests/cores.py: how pytest-xdist's workers share the cores."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.procs import terminate
+from tests.cores import share
+from tests.procs import EPHEMERAL_PORTS, free_port, terminate
 
 DEAF = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('deaf', flush=True); "
@@ -27,3 +30,29 @@ def test_a_process_deaf_to_sigterm_is_killed_and_the_test_fails() -> None:
 def test_a_process_that_stops_gives_its_exit_status() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     assert terminate(proc, 10) == -signal.SIGTERM
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_free() -> None:
+    low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # as a worker's metrics port is bound: the kernel picks
+        kernels = taken.getsockname()[1]
+        ports = {free_port() for _ in range(200)}
+    assert kernels >= low and all(port < low for port in ports), (low, kernels, sorted(ports)[-3:])
+    for port in ports:
+        with socket.socket() as mine:
+            mine.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "shares"),
+    [
+        ([0, 1], 2, [[0], [1]]),
+        ([0, 1, 2, 3, 4], 2, [[0, 2, 4], [1, 3]]),
+        ([4, 7], 3, [[4], [7], [4]]),  # more workers than cores: one core each, shared
+    ],
+)
+def test_xdist_workers_get_disjoint_shares_of_the_cores(
+    cores: list[int], workers: int, shares: list[list[int]]
+) -> None:
+    assert [share(cores, index, workers) for index in range(workers)] == shares
