@@ -163,7 +163,7 @@ build_image() {
     # Hard links: the context gets the wheels without a second copy (same filesystem), else a copy.
     cp -al "$wheels" "$ctx_wheels" 2>/dev/null || { rm -rf "$ctx_wheels"; cp -a "$wheels" "$ctx_wheels"; }
     # The C++ CPU kernels for the level this machine runs best only: this image runs here, and each level
-    # is minutes of compiling on two cores.
+    # is more than a minute of compiling on two cores.
     local levels
     levels=$("$py" -c 'from pagedserve.kernels.cpu_backend import runnable_levels; print(runnable_levels()[0])')
     log "docker build (VARIANT=cpu, BASE_IMAGE=$base, BUILD_IMAGE=$build_base, WHEELHOUSE=$ctx_wheels," \

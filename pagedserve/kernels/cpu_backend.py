@@ -170,7 +170,7 @@ def build(target: str) -> ModuleType:
             return _import(library)
         what = "this CPU" if target == "native" else target
         log.info(
-            "building the C++ CPU kernels for %s into %s: a few minutes, once; later starts load the build",
+            "building the C++ CPU kernels for %s into %s: a minute or more, once; later starts load it",
             what,
             work,
         )

@@ -1,34 +1,33 @@
 // The CPU ops as one Python module (pagedserve/kernels/cpu_backend.py builds and loads it).
 
-#include <torch/extension.h>
+// torch's pybind11 casters for at::Tensor alone: torch/extension.h brings torch's whole C++ API too, which
+// took most of a minute of every source's compile (the ops themselves include only the ATen headers they use).
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale, int64_t window, double softcap,
-                           std::optional<torch::Tensor> sinks, bool dot_bf16);
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
-                            double softcap, std::optional<torch::Tensor> sinks, bool amx);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                   std::optional<torch::Tensor> residual);
-std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
-                                                torch::Tensor cos_sin);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> bias);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> w_sums, std::optional<torch::Tensor> bias,
-                            int64_t n_len, bool amx, bool gated);
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                        int64_t window, double softcap, std::optional<at::Tensor> sinks, bool dot_bf16);
+at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor query_start, double scale, int64_t window, double softcap,
+                         std::optional<at::Tensor> sinks, bool amx);
+std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                                            std::optional<at::Tensor> residual);
+std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin);
+at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> scale,
+                         std::optional<at::Tensor> bias);
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> scale,
+                         std::optional<at::Tensor> w_sums, std::optional<at::Tensor> bias, int64_t n_len, bool amx,
+                         bool gated);
 int64_t packed_float_group();
-torch::Tensor packed_float_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                                  int64_t n_len, bool gated);
-torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Tensor> router_bias,
-                  torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                  std::optional<torch::Tensor> down_bias, int64_t top_k, bool renormalize, bool softmax_of_top,
-                  double swiglu_limit, double swiglu_alpha);
+at::Tensor packed_float_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias, int64_t n_len,
+                               bool gated);
+at::Tensor moe(at::Tensor x, at::Tensor router, std::optional<at::Tensor> router_bias, at::Tensor gate_up,
+               std::optional<at::Tensor> gate_up_bias, at::Tensor down, std::optional<at::Tensor> down_bias,
+               int64_t top_k, bool renormalize, bool softmax_of_top, double swiglu_limit, double swiglu_alpha);
 
 bool probe_feature(const std::string& feature);
 

@@ -3,7 +3,9 @@
 // SiLU gate. float32 or bfloat16 CPU tensors, computed in float32 and rounded to the tensors' dtype where
 // transformers rounds; x, q and k with a contiguous last dimension (checks.h checks them all).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -67,7 +69,7 @@ void rms_norm_rows(const T* in, const T* add, const T* scale, T* sum_out, T* out
 // Rotary embedding, half-split, of one [T, heads, D] tensor in place (rows may be strided, as a split of the
 // fused QKV output is): table [max_pos, 2, D] and pos [T] contiguous, as rotary() checked and made them.
 template <typename T>
-void rotary_in_place(torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& table) {
+void rotary_in_place(at::Tensor& x, const at::Tensor& pos, const at::Tensor& table) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   const T* cs = table.data_ptr<T>();
   const int64_t* at_pos = pos.data_ptr<int64_t>();
@@ -108,8 +110,8 @@ void silu_rows(const T* in, T* o, int64_t rows, int64_t inner) {
 
 // x [T, H] or [T, heads, D], weight [its last size] (+ residual, shaped like x) -> (weight * x / rms(x), x):
 // x is residual + x where a residual is given.
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                   std::optional<torch::Tensor> residual) {
+std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                                            std::optional<at::Tensor> residual) {
   check_cpu_float(x, "x");
   TORCH_CHECK_VALUE(x.dim() == 2 || x.dim() == 3, "x must be [T, H] or [T, heads, D], not ", x.sizes());
   check_rows(x, "x");
@@ -123,8 +125,8 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
   const auto shape = x.sizes().vec();
   x = x.contiguous().view({-1, x.size(-1)});
   const int64_t rows = x.size(0), hidden = x.size(1);
-  auto summed = residual ? torch::empty_like(x) : x;
-  auto normed = torch::empty_like(x);
+  auto summed = residual ? at::empty_like(x) : x;
+  auto normed = at::empty_like(x);
   const auto res = residual ? residual->contiguous().view({-1, hidden}) : x;
   const auto w = weight.contiguous();
   with_float_type(x, "x", [&](auto tag) {
@@ -137,8 +139,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
 
 // q [T, Hq, D] and k [T, Hkv, D] rotated in place by positions [T] (int64); cos_sin [max_pos, 2, D], of q's
 // dtype.
-std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
-                                                torch::Tensor cos_sin) {
+std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin) {
   check_cpu_float(q, "q");
   check_shape(q, "q", {kAny, kAny, kAny}, "[T, heads, D]");
   check_rows(q, "q");
@@ -147,7 +148,7 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k
   check_cpu(k, "k", q.scalar_type());
   check_shape(k, "k", {tokens, kAny, dim}, "[", tokens, ", heads, ", dim, "]");
   check_rows(k, "k");
-  check_cpu(positions, "positions", torch::kInt64);
+  check_cpu(positions, "positions", at::kLong);
   check_shape(positions, "positions", {tokens}, "[", tokens, "]");
   check_cpu(cos_sin, "cos_sin", q.scalar_type());
   check_shape(cos_sin, "cos_sin", {kAny, 2, dim}, "[N, 2, ", dim, "]");
@@ -166,13 +167,13 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k
 }
 
 // x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_cpu_float(x, "x");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 I], not ", x.sizes());
   check_rows(x, "x");
   x = x.contiguous();
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
-  auto out = torch::empty({rows, inner}, x.options());
+  auto out = at::empty({rows, inner}, x.options());
   with_float_type(x, "x", [&](auto tag) {
     using T = decltype(tag);
     silu_rows(x.data_ptr<T>(), out.data_ptr<T>(), rows, inner);

@@ -3,7 +3,7 @@
 // (SIGILL) ends the child, not the worker. Each probe is compiled for its feature alone (a target
 // attribute), so that a build for any x86-64 level has them all.
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>

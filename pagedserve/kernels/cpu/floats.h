@@ -8,7 +8,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -153,10 +153,10 @@ inline float sum_lanes(Vec v) {
 
 // Calls body(T{}) with T the C++ type of t's dtype, float32 or bfloat16; a ValueError names t otherwise.
 template <typename Body>
-void with_float_type(const torch::Tensor& t, const char* name, Body&& body) {
+void with_float_type(const at::Tensor& t, const char* name, Body&& body) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: body(float{}); break;
-    case torch::kBFloat16: body(bf16{}); break;
+    case at::kFloat: body(float{}); break;
+    case at::kBFloat16: body(bf16{}); break;
     default:
       TORCH_CHECK_VALUE(false, name, " must be float32 or bfloat16, not ", c10::getDtypeNames(t.scalar_type()).first);
   }

@@ -6,14 +6,19 @@
 // that its weights are read once a step: through skinny_linear, which streams them at memory speed, for the
 // few rows of a decode step, and through MKL for more. No Python runs between the experts.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <optional>
 
 #include "checks.h"
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> bias);
+at::Tensor skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> scale,
+                         std::optional<at::Tensor> bias);
 
 namespace {
 
@@ -22,29 +27,27 @@ constexpr int64_t kSkinnyRows = 16;  // pagedserve/kernels/cpu_backend.py's SKIN
 using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_cpu_float, pagedserve::check_shape,
     pagedserve::kAny;
 
-void check_bias(const std::optional<torch::Tensor>& bias, const char* name, std::initializer_list<int64_t> sizes,
-                const char* spelled, torch::ScalarType dtype) {
+void check_bias(const std::optional<at::Tensor>& bias, const char* name, std::initializer_list<int64_t> sizes,
+                const char* spelled, at::ScalarType dtype) {
   if (!bias) return;
   check_cpu(*bias, name, dtype);
   check_shape(*bias, name, sizes, spelled);
   check_contiguous(*bias, name);
 }
 
-torch::Tensor expert_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                            const std::optional<torch::Tensor>& bias) {
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   return x.size(0) <= kSkinnyRows ? skinny_linear(x, weight, std::nullopt, bias) : at::linear(x, weight, bias);
 }
 
-std::optional<torch::Tensor> row(const std::optional<torch::Tensor>& bias, int64_t expert) {
-  return bias ? std::optional<torch::Tensor>(bias->select(0, expert)) : std::nullopt;
+std::optional<at::Tensor> row(const std::optional<at::Tensor>& bias, int64_t expert) {
+  return bias ? std::optional<at::Tensor>(bias->select(0, expert)) : std::nullopt;
 }
 
 }  // namespace
 
-torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Tensor> router_bias,
-                  torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                  std::optional<torch::Tensor> down_bias, int64_t top_k, bool renormalize, bool softmax_of_top,
-                  double swiglu_limit, double swiglu_alpha) {
+at::Tensor moe(at::Tensor x, at::Tensor router, std::optional<at::Tensor> router_bias, at::Tensor gate_up,
+               std::optional<at::Tensor> gate_up_bias, at::Tensor down, std::optional<at::Tensor> down_bias,
+               int64_t top_k, bool renormalize, bool softmax_of_top, double swiglu_limit, double swiglu_alpha) {
   check_cpu_float(x, "x");
   const auto dtype = x.scalar_type();
   check_shape(x, "x", {kAny, kAny}, "[T, H]");
@@ -66,8 +69,8 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Te
   check_bias(down_bias, "down_bias", {experts, hidden}, "[E, H]", dtype);
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= experts, "top_k must be 1..", experts, ", not ", top_k);
 
-  const auto logits = at::linear(x, router, router_bias).to(torch::kFloat32);
-  torch::Tensor weights, chosen;
+  const auto logits = at::linear(x, router, router_bias).to(at::kFloat);
+  at::Tensor weights, chosen;
   if (softmax_of_top) {
     std::tie(weights, chosen) = logits.topk(top_k, -1);
     weights = weights.softmax(-1);
@@ -81,7 +84,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Te
   const auto order = std::get<1>(flat.sort(std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
   const auto counts = at::bincount(flat, {}, experts);
   const int64_t* count_of = counts.data_ptr<int64_t>();
-  auto out = torch::zeros_like(x);
+  auto out = at::zeros_like(x);
   const float limit = static_cast<float>(swiglu_limit);
   for (int64_t expert = 0, start = 0; expert < experts; start += count_of[expert], ++expert) {
     if (count_of[expert] == 0) continue;
@@ -90,7 +93,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor router, std::optional<torch::Te
     const auto both = expert_linear(x.index_select(0, tokens), gate_up[expert], row(gate_up_bias, expert));
     auto gate = both.narrow(1, 0, inner);
     const auto up = both.narrow(1, inner, inner);
-    torch::Tensor gated;
+    at::Tensor gated;
     if (limit > 0.0f) {
       gate = gate.clamp_max(limit);
       gated = gate * (gate * swiglu_alpha).sigmoid() * (up.clamp(-limit, limit) + 1);

@@ -15,7 +15,8 @@
 // up as silu_and_mul would (elementwise.cpp, the same function), so that the [M, 2 I] product is never
 // written and read back.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -134,24 +135,24 @@ void gated_column(const Operands& o, int64_t g, const float* next) {
 
 int64_t packed_float_group() { return kGroup; }
 
-torch::Tensor packed_float_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                                  int64_t n_len, bool gated) {
+at::Tensor packed_float_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias, int64_t n_len,
+                               bool gated) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
-  check_cpu(x, "x", torch::kFloat32);
+  check_cpu(x, "x", at::kFloat);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const int64_t m_len = x.size(0), k_len = x.size(1), groups = (n_len + kGroup - 1) / kGroup;
-  check_cpu(packed, "packed", torch::kFloat32);
+  check_cpu(packed, "packed", at::kFloat);
   check_shape(packed, "packed", {groups, k_len, kGroup, 1}, "[", groups, ", ", k_len, ", ", kGroup, ", 1]");
   check_contiguous(packed, "packed");
   TORCH_CHECK_VALUE(!gated || n_len % (2 * kGroup) == 0, "a gated weight's gate and up rows must each be a multiple of ",
                     kGroup, ", not ", n_len, " / 2");
   if (bias) {
-    check_cpu(*bias, "bias", torch::kFloat32);
+    check_cpu(*bias, "bias", at::kFloat);
     check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
     check_contiguous(*bias, "bias");
   }
   const auto xc = x.contiguous();
-  auto y = torch::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
+  auto y = at::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
   const Operands o{xc.data_ptr<float>(), packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
                    y.data_ptr<float>(), m_len, k_len, n_len};
   // A decode step's few rows read each group once, from memory: the first tile of each group asks for the

@@ -13,7 +13,8 @@
 // close to the machine's memory rate; in bfloat16 it is faster than oneDNN's GEMM on unpacked weights at
 // every number of rows it measured, and int8 x int8 is faster again (twice the products an instruction).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -349,24 +350,24 @@ PACKED_TARGET void quantize_rows(const bf16* x, int64_t m_len, int64_t k_len, ui
 
 }  // namespace
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> w_sums, std::optional<torch::Tensor> bias,
-                            int64_t n_len, bool amx, bool gated) {
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> scale,
+                         std::optional<at::Tensor> w_sums, std::optional<at::Tensor> bias, int64_t n_len, bool amx,
+                         bool gated) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
-  check_cpu(x, "x", torch::kBFloat16);
+  check_cpu(x, "x", at::kBFloat16);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const int64_t m_len = x.size(0), k_len = x.size(1);
   const int64_t groups = (n_len + kGroup - 1) / kGroup;
   TORCH_CHECK_VALUE(!gated || n_len % (2 * kGroup) == 0, "a gated weight's gate and up rows must each be a multiple of ",
                     kGroup, ", not ", n_len, " rows in all");
-  const bool quantized = packed.scalar_type() == torch::kInt8;
+  const bool quantized = packed.scalar_type() == at::kChar;
   const int64_t step = quantized ? 4 : 2;
   TORCH_CHECK_VALUE(n_len > 0 && k_len % step == 0, "a packed ", quantized ? "int8" : "bfloat16",
                     " weight needs N > 0 and K a multiple of ", step, ", not N ", n_len, " and K ", k_len);
   // vpdpbusd's int32 sums of up to K products of 255 * 127 must not overflow.
   TORCH_CHECK_VALUE(!quantized || k_len < (int64_t{1} << 16), "an int8 x int8 product takes K below 65536, not ",
                     k_len);
-  check_cpu(packed, "packed", quantized ? torch::kInt8 : torch::kBFloat16);
+  check_cpu(packed, "packed", quantized ? at::kChar : at::kBFloat16);
   check_shape(packed, "packed", {groups, k_len / step, kGroup, step}, "[", groups, ", ", k_len / step, ", ", kGroup,
               ", ", step, "]");
   check_contiguous(packed, "packed");
@@ -379,14 +380,14 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
     check_contiguous(*scale, "scale");
   }
   if (w_sums) {
-    check_cpu(*w_sums, "w_sums", torch::kInt32);
+    check_cpu(*w_sums, "w_sums", at::kInt);
     check_shape(*w_sums, "w_sums", {groups * kGroup}, "[", groups * kGroup, "]");
     check_contiguous(*w_sums, "w_sums");
   }
   if (bias) check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
   const auto xc = x.contiguous();
-  const auto bf = bias ? std::optional<torch::Tensor>(bias->to(torch::kFloat32).contiguous()) : std::nullopt;
-  auto y = torch::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
+  const auto bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  auto y = at::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
   const int64_t items = gated ? groups / 2 : groups;  // gated, each runs gate's group and up's
 #if defined(__x86_64__)
   Operands o{xc.data_ptr<bf16>(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
@@ -397,9 +398,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, std::optional
     TORCH_CHECK(!tiles || amx::request_tiles(),
                 "AMX's tiles were asked for, but the kernel does not grant this process them");
     const int64_t rows = tiles ? (m_len + kAmxRows - 1) / kAmxRows * kAmxRows : m_len;
-    auto q = torch::empty({rows, k_len}, x.options().dtype(torch::kUInt8));
+    auto q = at::empty({rows, k_len}, x.options().dtype(at::kByte));
     q.narrow(0, m_len, rows - m_len).zero_();
-    auto x_scale = torch::empty({m_len}, x.options().dtype(torch::kFloat32));
+    auto x_scale = at::empty({m_len}, x.options().dtype(at::kFloat));
     quantize_rows(xc.data_ptr<bf16>(), m_len, k_len, q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
     o.x = q.data_ptr<uint8_t>();
     o.x_scale = x_scale.data_ptr<float>();

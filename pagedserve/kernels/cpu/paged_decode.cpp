@@ -9,7 +9,8 @@
 // softcap > 0: scores become softcap * tanh(scores / softcap). sinks [Hq]: a logit per query head that joins
 // the softmax's denominator and brings no value.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -30,15 +31,15 @@ namespace {
 
 using pagedserve::bf16;
 
-void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
-           const torch::Tensor& lens, const std::optional<torch::Tensor>& sinks) {
+void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& lens,
+           const std::optional<at::Tensor>& sinks) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
   pagedserve::check_attention(q, "S", kv, sinks);
   const int64_t seqs = q.size(0);
-  check_cpu(tables, "block_tables", torch::kInt64);
+  check_cpu(tables, "block_tables", at::kLong);
   check_shape(tables, "block_tables", {seqs, kAny}, "[", seqs, ", W]");
   check_contiguous(tables, "block_tables");
-  check_cpu(lens, "seq_lens", torch::kInt64);
+  check_cpu(lens, "seq_lens", at::kLong);
   check_shape(lens, "seq_lens", {seqs}, "[", seqs, "]");
 }
 
@@ -314,9 +315,8 @@ void decode_task(const Task<T>& t, const float* q, const bf16* q_bf16, float fac
 }  // namespace
 
 // dot_bf16: score bfloat16 keys with vdpbf16ps (the caller has seen this CPU run it).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale, int64_t window, double softcap,
-                           std::optional<torch::Tensor> sinks, bool dot_bf16) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                        int64_t window, double softcap, std::optional<at::Tensor> sinks, bool dot_bf16) {
   check(q, kv_layer, block_tables, seq_lens, sinks);
   const int64_t seqs = q.size(0), q_heads = q.size(1), dim = q.size(2);
   const int64_t pages = kv_layer.size(1), page_size = kv_layer.size(2), kv_heads = kv_layer.size(3);
@@ -327,10 +327,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
     TORCH_CHECK(len_of[s] >= 1 && len_of[s] <= width * page_size, "seq_lens[", s, "] is out of its table");
   }
   // q is read and out written in float32: [S, Hq, D] is small beside the pages read for it.
-  const auto qf = q.to(torch::kFloat32).contiguous();
-  const bool scores_bf16 = dot_bf16 && q.scalar_type() == torch::kBFloat16 && dim % 32 == 0;
+  const auto qf = q.to(at::kFloat).contiguous();
+  const bool scores_bf16 = dot_bf16 && q.scalar_type() == at::kBFloat16 && dim % 32 == 0;
   const bf16* q_bf16 = scores_bf16 ? q.data_ptr<bf16>() : nullptr;  // check() made q contiguous
-  auto out = torch::empty_like(qf);
+  auto out = at::empty_like(qf);
   const float* q_data = qf.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   float* out_data = out.data_ptr<float>();

@@ -17,7 +17,8 @@
 // products run on the tiles, on each (sequence, KV head)'s keys copied once into their operands' layout
 // (below).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 
@@ -436,35 +437,35 @@ class AmxBlock {
 
 // Whether the AMX path takes this layer: bfloat16 queries over a bfloat16 pool, heads a whole number of Q's
 // 32-column tiles.
-bool amx_takes(const torch::Tensor& q, const torch::Tensor& kv_layer, int64_t dim) {
-  const bool bf16_both = q.scalar_type() == torch::kBFloat16 && kv_layer.scalar_type() == torch::kBFloat16;
+bool amx_takes(const at::Tensor& q, const at::Tensor& kv_layer, int64_t dim) {
+  const bool bf16_both = q.scalar_type() == at::kBFloat16 && kv_layer.scalar_type() == at::kBFloat16;
   if (!bf16_both || dim % 32 != 0) return false;
   TORCH_CHECK(amx::request_tiles(), "AMX's tiles were asked for, but the kernel does not grant this process them");
   return true;
 }
 #endif
 
-void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables, const torch::Tensor& lens,
-           const torch::Tensor& starts, const std::optional<torch::Tensor>& sinks) {
+void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, const at::Tensor& lens,
+           const at::Tensor& starts, const std::optional<at::Tensor>& sinks) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape, pagedserve::kAny;
   pagedserve::check_attention(q, "N", kv, sinks);
-  check_cpu(tables, "block_tables", torch::kInt64);
+  check_cpu(tables, "block_tables", at::kLong);
   check_shape(tables, "block_tables", {kAny, kAny}, "[S, W]");
   check_contiguous(tables, "block_tables");
   const int64_t seqs = tables.size(0);
-  check_cpu(lens, "seq_lens", torch::kInt64);
+  check_cpu(lens, "seq_lens", at::kLong);
   check_shape(lens, "seq_lens", {seqs}, "[", seqs, "]");
   check_contiguous(lens, "seq_lens");
-  check_cpu(starts, "query_start", torch::kInt64);
+  check_cpu(starts, "query_start", at::kLong);
   check_shape(starts, "query_start", {seqs + 1}, "[", seqs + 1, "]");
   check_contiguous(starts, "query_start");
 }
 
 }  // namespace
 
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
-                            double softcap, std::optional<torch::Tensor> sinks, bool amx) {
+at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor query_start, double scale, int64_t window, double softcap,
+                         std::optional<at::Tensor> sinks, bool amx) {
   check(q, kv_layer, block_tables, seq_lens, query_start, sinks);
   const int64_t seqs = block_tables.size(0), width = block_tables.size(1);
   const Shape shape{kv_layer.size(2), kv_layer.size(3), kv_layer.size(1), q.size(2), q.size(1) / kv_layer.size(3),
@@ -500,7 +501,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tens
   };
 #if defined(__x86_64__)
   if (amx && amx_takes(q, kv_layer, shape.dim)) {  // the output is bfloat16 as q is
-    auto out = torch::empty_like(q);
+    auto out = at::empty_like(q);
     const bf16* q_data = q.data_ptr<bf16>();
     bf16* out_data = out.data_ptr<bf16>();
     const bf16* k_data = kv_layer.data_ptr<bf16>();
@@ -528,8 +529,8 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tens
     return out;
   }
 #endif
-  const auto qf = q.to(torch::kFloat32).contiguous();
-  auto out = torch::empty_like(qf);
+  const auto qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty_like(qf);
   const float* q_data = qf.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   pagedserve::with_float_type(kv_layer, "kv_layer", [&](auto tag) {

@@ -10,7 +10,8 @@
 // choosing it: pagedserve/kernels/cpu_features.py), a bfloat16 model's weights are packed at load for
 // packed_linear.cpp instead, which is faster at every number of rows.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
 
@@ -101,14 +102,14 @@ void run(const Operands<W, Y>& o, int64_t m_len) {
   });
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
-           const std::optional<torch::Tensor>& bias) {
+void check(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+           const std::optional<at::Tensor>& bias) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_cpu_float, pagedserve::check_shape,
       pagedserve::kAny;
   check_cpu_float(x, "x");
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const auto kind = weight.scalar_type();
-  const bool quantized = kind == torch::kInt8 || kind == torch::kFloat8_e4m3fn;
+  const bool quantized = kind == at::kChar || kind == at::kFloat8_e4m3fn;
   check_cpu(weight, "weight", quantized ? kind : x.scalar_type());
   check_shape(weight, "weight", {kAny, x.size(1)}, "[N, ", x.size(1), "]");
   const int64_t n_len = weight.size(0);
@@ -120,23 +121,23 @@ void check(const torch::Tensor& x, const torch::Tensor& weight, const std::optio
     check_contiguous(*scale, "scale");
   }
   if (bias) {
-    check_cpu(*bias, "bias", bias->scalar_type() == torch::kFloat32 ? torch::kFloat32 : x.scalar_type());
+    check_cpu(*bias, "bias", bias->scalar_type() == at::kFloat ? at::kFloat : x.scalar_type());
     check_shape(*bias, "bias", {n_len}, "[", n_len, "]");
   }
 }
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> scale,
-                            std::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> scale,
+                         std::optional<at::Tensor> bias) {
   check(x, weight, scale, bias);
   const auto wc = weight.contiguous();
-  const auto bf = bias ? std::optional<torch::Tensor>(bias->to(torch::kFloat32).contiguous()) : std::nullopt;
+  const auto bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   const int64_t m_len = x.size(0), k_len = x.size(1), n_len = wc.size(0);
-  auto y = torch::empty({m_len, n_len}, x.options());
+  auto y = at::empty({m_len, n_len}, x.options());
   const float* scale_data = scale ? scale->data_ptr<float>() : nullptr;
   const float* bias_data = bf ? bf->data_ptr<float>() : nullptr;
-  const auto xf = x.to(torch::kFloat32).contiguous();
+  const auto xf = x.to(at::kFloat).contiguous();
   pagedserve::with_float_type(x, "x", [&](auto y_tag) {
     using Y = decltype(y_tag);
     auto go = [&](auto* w) {
@@ -144,8 +145,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional
       run(Operands<W, Y>{xf.data_ptr<float>(), w, scale_data, bias_data, y.data_ptr<Y>(), k_len, n_len}, m_len);
     };
     switch (wc.scalar_type()) {
-      case torch::kInt8: go(wc.data_ptr<int8_t>()); break;
-      case torch::kFloat8_e4m3fn: go(wc.data_ptr<pagedserve::fp8>()); break;
+      case at::kChar: go(wc.data_ptr<int8_t>()); break;
+      case at::kFloat8_e4m3fn: go(wc.data_ptr<pagedserve::fp8>()); break;
       default: go(wc.data_ptr<Y>()); break;  // x's dtype, as check() made sure
     }
   });
