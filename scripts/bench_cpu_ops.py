@@ -32,13 +32,15 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import ExpertWeights, KernelBackend, Routing, TorchBackend  # noqa: E402
+from pagedserve.kernels.backend import ExpertWeights, KernelBackend, Routing  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops, pack_linear  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
+from pagedserve.kernels.torch_ref import TorchBackend  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
-from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.core.engine import EngineCore  # noqa: E402
+from services.worker.core.engine_config import EngineConfig  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import CausalLM, load_model  # noqa: E402
 

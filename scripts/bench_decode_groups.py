@@ -22,11 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import TorchBackend  # noqa: E402
+from pagedserve.kernels.torch_ref import TorchBackend  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
-from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.core.engine import EngineCore  # noqa: E402
+from services.worker.core.engine_config import EngineConfig  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import load_model  # noqa: E402
 

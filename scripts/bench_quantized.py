@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.kernels import PackedWeight, QuantizedWeight  # noqa: E402
+from pagedserve.kernels.backend import PackedWeight, QuantizedWeight  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.worker.models.quantized import quantize_int8  # noqa: E402

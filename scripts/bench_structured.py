@@ -33,7 +33,8 @@ from services.common.sampling import SamplingOptions  # noqa: E402
 from services.common.structured import Constraint  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.core import sampler  # noqa: E402
-from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.core.engine import EngineCore  # noqa: E402
+from services.worker.core.engine_config import EngineConfig  # noqa: E402
 from services.worker.core.grammar import Grammars  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import CausalLM, load_model  # noqa: E402

@@ -39,7 +39,8 @@ from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.common.wire import sampling_to_pb  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
-from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.core.engine import EngineCore  # noqa: E402
+from services.worker.core.engine_config import EngineConfig  # noqa: E402
 from services.worker.kv.base import KVCache  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.kv.remote import DaemonKVCache  # noqa: E402

@@ -31,16 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memory_daemon.shape import DType  # noqa: E402
-from pagedserve.kernels import AttentionMetadata  # noqa: E402
+from pagedserve.kernels.backend import AttentionMetadata  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
 from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import resolve_model  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
-from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.core.engine import EngineCore  # noqa: E402
+from services.worker.core.engine_config import EngineConfig  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import CausalLM, load_model  # noqa: E402
-from services.worker.models.quantized import Quantization, int8_activations  # noqa: E402
+from services.worker.models.quantized import int8_activations  # noqa: E402
+from services.worker.quantization import Quantization  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",

@@ -33,10 +33,11 @@ from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
 from services.common.default_model import default_model_dir  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
-from services.worker.core.engine import EngineConfig, EngineCore  # noqa: E402
+from services.worker.core.engine import EngineCore  # noqa: E402
+from services.worker.core.engine_config import EngineConfig  # noqa: E402
 from services.worker.kv.local import LocalKVCache  # noqa: E402
 from services.worker.models import load_model  # noqa: E402
-from services.worker.models.quantized import Quantization  # noqa: E402
+from services.worker.quantization import Quantization  # noqa: E402
 
 OPERATIONS = ("linear", "gated_linear", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv")
 # The model's dtype, its weights' quantization, and its pool's dtype.

@@ -7,27 +7,3 @@ layers (whose weight may be quantized to 8 bits, `QuantizedWeight`) and a mixtur
 implements it with plain torch on any device, the CPU included; it is also the reference the CuPy and C++
 kernels are tested against.
 """
-
-from pagedserve.kernels.backend import (
-    AttentionMetadata,
-    ExpertWeights,
-    KernelBackend,
-    LayerAttention,
-    PackedWeight,
-    QuantizedWeight,
-    Routing,
-    Weight,
-)
-from pagedserve.kernels.torch_ref import TorchBackend
-
-__all__ = [
-    "AttentionMetadata",
-    "ExpertWeights",
-    "KernelBackend",
-    "LayerAttention",
-    "PackedWeight",
-    "QuantizedWeight",
-    "Routing",
-    "TorchBackend",
-    "Weight",
-]

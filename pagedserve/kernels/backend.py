@@ -9,11 +9,9 @@ One layer's KV cache is `kv_layer`, a view of the pool of shape [2, P, B, Hkv, D
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
-
-PageSize = Literal[8, 16, 32]  # tokens a KV page holds: the sizes the CUDA kernels are built for
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ from typing import get_args
 import numpy as np
 import torch
 
-from pagedserve.kernels.backend import AttentionMetadata, LayerAttention, PageSize
+from pagedserve.kernels.backend import AttentionMetadata, LayerAttention
 from pagedserve.kernels.launch import launch, max_shared_bytes, resident_blocks
 from pagedserve.kernels.nvrtc import DTYPE_MACROS
+from pagedserve.kernels.page_size import PageSize
 from pagedserve.kernels.tuning import (
     Tuning,
     decode_mma_shared_bytes,

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from memory_daemon.shape import DType
-from pagedserve.kernels.backend import PageSize
+from pagedserve.kernels.page_size import PageSize
 from pagedserve.plumbing.auth import secret_setting
 from pagedserve.plumbing.logs import log_level_setting
 from pagedserve.plumbing.metrics import MetricsSettings
 from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, positive, setting
 from pagedserve.plumbing.sizes import parse_bytes
-from services.worker.core.engine import EngineConfig
-from services.worker.models.quantized import Quantization
+from services.worker.core.engine_config import EngineConfig
+from services.worker.quantization import Quantization
 
 
 @dataclass(frozen=True)

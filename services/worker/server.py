@@ -15,9 +15,10 @@ import torch
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from memory_daemon.shape import PoolShape
-from pagedserve.kernels import KernelBackend, TorchBackend
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
+from pagedserve.kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket

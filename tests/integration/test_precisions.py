@@ -23,10 +23,11 @@ from services.client import Client
 from services.common.default_model import default_model_dir
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
-from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.engine import EngineCore
+from services.worker.core.engine_config import EngineConfig
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import load_model
-from services.worker.models.quantized import Quantization
+from services.worker.quantization import Quantization
 from tests.procs import start_stack
 
 PROMPT = "What is the capital of France?"

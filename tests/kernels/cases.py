@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedserve.kernels import AttentionMetadata, LayerAttention, TorchBackend, cuda_ops
+from pagedserve.kernels import cuda_ops
+from pagedserve.kernels.backend import AttentionMetadata, LayerAttention
 from pagedserve.kernels.cupy_backend import CupyBackend
+from pagedserve.kernels.torch_ref import TorchBackend
 from tests.devices import kernel_device
 from tests.kernels.references import null_before
 from tests.kernels.steps import Chunk, dtype_name, generator, make_metadata, slots_of

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels import LayerAttention, TorchBackend
+from pagedserve.kernels.backend import LayerAttention
+from pagedserve.kernels.torch_ref import TorchBackend
 from tests.kernels.steps import Chunk, dtype_name
 
 PAGE_SIZES = (8, 16, 32)

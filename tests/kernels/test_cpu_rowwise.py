@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from pagedserve.kernels import PackedWeight, QuantizedWeight, Weight
+from pagedserve.kernels.backend import PackedWeight, QuantizedWeight, Weight
 from pagedserve.kernels.cpu_backend import (
     AMX_INT8_SKINNY_ROWS,
     QUANTIZED_SKINNY_ROWS,

@@ -18,7 +18,8 @@ from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.batch import build_batch
 from services.worker.core.cuda_graphs import DecodeGraphs
-from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.engine import EngineCore
+from services.worker.core.engine_config import EngineConfig
 from services.worker.core.model_runner import StepInFlight
 from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import Sequence

@@ -17,7 +17,8 @@ import dataclasses
 import pytest
 import torch
 
-from pagedserve.kernels import LayerAttention, cuda_ops
+from pagedserve.kernels import cuda_ops
+from pagedserve.kernels.backend import LayerAttention
 from pagedserve.kernels.cupy_backend import CupyBackend
 from pagedserve.kernels.launch import EMULATED_RESIDENT_BLOCKS
 from tests.kernels.cases import (

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pagedserve.kernels import AttentionMetadata, LayerAttention, cuda_ops
+from pagedserve.kernels import cuda_ops
+from pagedserve.kernels.backend import AttentionMetadata, LayerAttention
 from pagedserve.kernels.cupy_backend import CupyBackend
 from pagedserve.kernels.tuning import Tuning
 from services.worker.models.decoder import rotary_table

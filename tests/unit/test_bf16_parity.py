@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
-from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.engine import EngineCore
+from services.worker.core.engine_config import EngineConfig
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import load_model
 from tests.models import FAMILIES, make_model

@@ -34,13 +34,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedserve.kernels import KernelBackend, TorchBackend
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
+from pagedserve.kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.errors import InvalidArgument, ResourceExhausted
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
-from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.engine import EngineCore
+from services.worker.core.engine_config import EngineConfig
 from services.worker.core.loop import Engine
 from services.worker.core.model_runner import StepInFlight
 from services.worker.core.scheduler import ScheduledSeq

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedserve.kernels import TorchBackend
+from pagedserve.kernels.torch_ref import TorchBackend
 from services.worker.models import SUPPORTED, load_model
 from services.worker.models.gemma import Gemma2, Gemma3
 from services.worker.models.gpt_oss import GptOss

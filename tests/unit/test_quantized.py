@@ -15,9 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedserve.kernels import QuantizedWeight
+from pagedserve.kernels.backend import QuantizedWeight
 from services.common.default_model import default_model_dir
-from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.engine import EngineCore
+from services.worker.core.engine_config import EngineConfig
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM, load_model
 from services.worker.models.quantized import quantize_int8

@@ -29,11 +29,12 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import TorchBackend
+from pagedserve.kernels.torch_ref import TorchBackend
 from services.common.request import EngineRequest
 from services.common.sampling import SamplingOptions
 from services.worker.core.draft_model import PROBE_EVERY, DraftModelProposer, Payoff
-from services.worker.core.engine import EngineConfig, EngineCore
+from services.worker.core.engine import EngineCore
+from services.worker.core.engine_config import EngineConfig
 from services.worker.core.sampler import draw
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.core.speculation import MAX_PAUSE, Drafting, NgramProposer, lookup

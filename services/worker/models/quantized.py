@@ -21,7 +21,7 @@ which only removes a rounding. Anything else (4-bit, groups, blocks, zero points
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,6 @@ from pagedserve.kernels.backend import PackedWeight, QuantizedWeight, Weight, pl
 if TYPE_CHECKING:
     from services.worker.models.weights import Weights
 
-Quantization = Literal["none", "int8"]
 STORED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # what a checkpoint's 8-bit weights may be
 SCALE_SUFFIX = "_scale"  # compressed-tensors stores <module>.weight beside <module>.weight_scale
 

@@ -20,10 +20,11 @@ from services.worker.models.llama import Llama, Qwen3
 from services.worker.models.mixtral import Mixtral
 from services.worker.models.olmo2 import Olmo2
 from services.worker.models.phi3 import Phi3
-from services.worker.models.quantized import Quantization, quantize_linears
+from services.worker.models.quantized import quantize_linears
 from services.worker.models.qwen3_moe import Qwen3Moe
 from services.worker.models.spec import ModelSpec, eos_token_ids
 from services.worker.models.weights import load_weights
+from services.worker.quantization import Quantization
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     Llama,
