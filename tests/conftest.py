@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.devices import missing_for_gpu_tests, missing_for_kernel_tests
-from tests.procs import STACKS, DaemonProcess, start_daemon
+from tests.procs import SHM_DIRS, STACKS, DaemonProcess, start_daemon
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -39,9 +39,16 @@ def daemon(run_dir: Path) -> Iterator[DaemonProcess]:
     yield process
     status = process.stop()
     leftovers = os.listdir(process.shm_dir)
-    shutil.rmtree(process.shm_dir, ignore_errors=True)
     assert status == 0, f"the daemon exited with {status}:\n{process.log()}"
     assert not leftovers, f"the daemon left pool files behind: {leftovers}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_daemons_shm_dirs() -> Iterator[None]:
+    """The daemons' pool folders in /dev/shm go with the session, whichever test started the daemon."""
+    yield
+    for folder in SHM_DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -65,6 +65,11 @@ class ServiceProcess:
         self.proc.wait(timeout=30)
 
 
+# The /dev/shm folders start_daemon made, removed at the end of the session (tests/conftest.py); a test that
+# looks for pool files left behind looks first (the `daemon` fixture).
+SHM_DIRS: list[Path] = []
+
+
 @dataclass
 class DaemonProcess(ServiceProcess):
     shm_dir: Path
@@ -91,7 +96,9 @@ def start_daemon(
     entry: tuple[str, ...] = (sys.executable, "-m", "memory_daemon"),
 ) -> DaemonProcess:
     """Start a daemon (by default on a unix socket in run_dir) and wait until it reports SERVING."""
-    shm_dir = shm_dir or Path(tempfile.mkdtemp(prefix="pagedserve-test-", dir="/dev/shm"))
+    if shm_dir is None:
+        shm_dir = Path(tempfile.mkdtemp(prefix="pagedserve-test-", dir="/dev/shm"))
+        SHM_DIRS.append(shm_dir)
     address = address or f"unix:{run_dir}/daemon.sock"
     command = [*entry, "--address", address, "--shm-dir", str(shm_dir), *extra]
     service = start_service(command, address, run_dir / "daemon.log", timeout_s=30)

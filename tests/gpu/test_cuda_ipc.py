@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -49,4 +48,3 @@ def test_cuda_ipc_round_trip_between_two_workers(run_dir: Path, dtype: str) -> N
         for agent in agents:
             agent.kill()
         assert daemon.stop() == 0
-        shutil.rmtree(daemon.shm_dir, ignore_errors=True)

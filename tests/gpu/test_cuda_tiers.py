@@ -4,7 +4,6 @@ checked through a worker's own CUDA IPC map of the pool."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -36,4 +35,3 @@ def test_a_cuda_pools_pages_go_to_host_memory_and_disk_and_come_back(run_dir: Pa
         checked_counts(daemon)
     finally:
         assert daemon.stop() == 0
-        shutil.rmtree(daemon.shm_dir, ignore_errors=True)

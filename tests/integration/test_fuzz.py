@@ -147,7 +147,6 @@ def fuzz_daemon() -> Iterator[DaemonProcess]:
     daemon = start_daemon(run_dir, "--max-memory", "64MiB", "--pool-memory", "1MiB")
     yield daemon
     assert daemon.stop() == 0, daemon.log()
-    shutil.rmtree(daemon.shm_dir, ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

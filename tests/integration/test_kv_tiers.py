@@ -58,7 +58,6 @@ def daemons(run_dir: Path) -> Iterator[list[DaemonProcess]]:
     yield started
     for daemon in started:
         daemon.kill()
-        shutil.rmtree(daemon.shm_dir, ignore_errors=True)
 
 
 def publish_prompt(daemon: DaemonProcess, device: str = "cpu") -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import re
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -91,7 +90,6 @@ def test_a_daemon_run_as_compose_runs_it(run_dir: Path) -> None:
             assert "pagedserve_kv_prefix_lookups" in reply.read().decode()
     finally:
         assert daemon.stop() == 0, daemon.log()
-        shutil.rmtree(daemon.shm_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,6 @@ def stack(model_dir: Path) -> Iterator[tuple[DaemonProcess, ServiceProcess]]:
     yield daemon, worker
     assert worker.stop() == 0, worker.log()
     assert daemon.stop() == 0, daemon.log()
-    shutil.rmtree(daemon.shm_dir, ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
