@@ -92,11 +92,20 @@ async def start_server(
     return RunningServer(server, health, address)
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
-    """A channel with our options: TLS when credentials are given."""
+# For a server that is starting: its socket is tried again within a tenth of a second, not after gRPC's
+# reconnect backoff (1 s, growing), which found a process up to a second after it served.
+_PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.max_reconnect_backoff_ms", 100)]
+
+
+def open_channel(
+    address: str, credentials: grpc.ChannelCredentials | None = None, probing: bool = False
+) -> grpc.Channel:
+    """A channel with our options: TLS when credentials are given; probing, one that waits for a server to
+    come up."""
+    options = CHANNEL_OPTIONS + (_PROBE_OPTIONS if probing else [])
     if credentials is None:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 def wait_for_health(
@@ -105,7 +114,7 @@ def wait_for_health(
     """Block until the server at address reports SERVING; raise TimeoutError after timeout_s."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer"
-    with open_channel(address, credentials) as channel:
+    with open_channel(address, credentials, probing=True) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
