@@ -39,6 +39,11 @@ class FrontendConfig:
         shown_default="127.0.0.1:50053",
     )
     model: str | None = setting(None, "the model folder, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    model_id: str | None = setting(
+        None,
+        "the model's name, as clients see it and as its workers must report it (default: a worker's, from "
+        "the folder)",
+    )
     daemon: str | None = setting(
         None, "the node's memory daemon, whose cached pages a gateway follows (SubscribeKvEvents, FlushCache)"
     )

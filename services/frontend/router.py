@@ -34,6 +34,10 @@ class WorkerDown(Unavailable):
     """The worker serving a request went away mid-request."""
 
 
+class OtherModel(Exception):
+    """The worker serves a model other than the frontend's."""
+
+
 Output = worker_pb2.RequestOutput | WorkerDown
 
 
@@ -130,6 +134,8 @@ class WorkerLink:
                 reason = "the stream ended"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+            except OtherModel as exc:
+                reason = str(exc)
             if self.up:
                 log.warning("worker %s went away: %s", self.address, reason)
                 backoff = 0.05
@@ -146,14 +152,10 @@ class WorkerLink:
             stub = worker_pb2_grpc.WorkerStub(channel)
             self.info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5, metadata=self._metadata)
             if self.info.model_id != self.model_id:
-                log.error(
-                    "worker %s serves %s, not %s; not routing to it",
-                    self.address,
-                    self.info.model_id,
-                    self.model_id,
+                raise OtherModel(
+                    f"it serves {self.info.model_id}, not {self.model_id}: a frontend and its workers take "
+                    "one --model-id, or none"
                 )
-                await asyncio.sleep(5)
-                return
             self._outbox = asyncio.Queue()
             call = stub.Connect(self._outgoing(), metadata=self._metadata)
             try:

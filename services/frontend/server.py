@@ -58,7 +58,7 @@ async def serve(config: FrontendConfig) -> None:
     model_dir = resolve_model(config.model)
     # transformers' tokenizers backend, not AutoTokenizer, which loads torch.
     tokenizer = await asyncio.to_thread(PreTrainedTokenizerFast.from_pretrained, model_dir)
-    model_id = model_identity(model_dir)
+    model_id = config.model_id or model_identity(model_dir)
     workers_changed = asyncio.Event()
     # gRPC's own listener, behind the HTTP/2 guard that takes the public port, in a folder of this process's.
     inner = tempfile.mkdtemp(prefix="pagedserve-frontend-")

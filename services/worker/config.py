@@ -22,7 +22,11 @@ class WorkerConfig:
     draft_model: str | None = setting(
         None, "with --speculative draft: the draft model's folder, a smaller model of the same tokenizer"
     )
-    model_id: str | None = setting(None, "the prefix cache's name for the model (default: from the folder)")
+    model_id: str | None = setting(
+        None,
+        "the model's name: its cached pages' (give no two models one) and the one clients see (default: the "
+        "folder's name and a digest of its config and weights)",
+    )
     name: str = setting("worker", "this worker's name in logs and statistics")
     address: str = setting("127.0.0.1:50053", "host:port or unix:/path to serve on")
     kv: Literal["daemon", "local"] = setting(

@@ -115,6 +115,32 @@ def test_no_worker_up_is_unavailable_and_says_why(two_workers: Stack, tmp_path: 
     assert f"worker {two_workers.worker_address(0)} is not up: UNAUTHENTICATED" in frontend.log()
 
 
+def test_a_model_id_names_the_model_to_workers_and_clients_alike(tmp_path: Path) -> None:
+    """`up --model-id` reaches the workers (their cached pages' namespace) and the frontend (the name it
+    expects of its workers, and tells clients); a frontend of another name refuses the worker, saying why."""
+    stack = start_stack(tmp_path, "--kv-memory", "128MiB", "--model-id", "house-model")
+    with grpc.insecure_channel(stack.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).model_id == "house-model"
+        *_, last = stub.Generate(generate_request("Hi", max_tokens=4, ignore_eos=True))
+        assert last.usage.completion_tokens == 4
+    with internal_channel(stack.worker_address(0)) as channel:
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+    assert (info.model_id, info.kv_namespace) == ("house-model", "house-model@float32")
+    address, frontend = start_frontend(tmp_path, "--worker", stack.worker_address(0))  # the folder's name
+    try:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+            generation_pb2_grpc.GenerationStub(channel).Complete(generate_request("Hi"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"{stack.worker_address(0)}: it serves house-model, not SmolLM2-135M-Instruct-" in (
+            caught.value.details()
+        )
+        assert "a frontend and its workers take one --model-id" in caught.value.details()
+    finally:
+        assert frontend.stop() == 0
+    assert stack.stop() == 0
+
+
 def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
     two_workers: Stack, tmp_path: Path
 ) -> None:
