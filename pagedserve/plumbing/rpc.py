@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+class CannotListen(OSError):
+    """A server's address is taken, or not one this machine can listen on: the process cannot start."""
 
 
 @dataclass
@@ -83,13 +88,28 @@ async def start_server(
             port = server.add_secure_port(address, credentials)
         if local_address is not None:
             server.add_insecure_port(local_address)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address} {local_address or ''}: {exc}") from exc
+    except RuntimeError as exc:  # gRPC says only that it failed to bind
+        where = " and ".join(filter(None, (address, local_address)))
+        raise CannotListen(f"cannot listen on {where}: {_refusal(address) or exc}") from exc
     await server.start()
     if not address.startswith("unix:"):
         host = address.rsplit(":", 1)[0]
         address = f"{host}:{port}"
     return RunningServer(server, health, address)
+
+
+def _refusal(address: str) -> str | None:
+    """Why this machine will not listen on a TCP address (taken, not its own), from a socket of our own."""
+    if address.startswith("unix:"):
+        return None
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.create_server((host, int(port)), family=family):
+            return None
+    except OSError as exc:
+        return exc.strerror
 
 
 # For a server that is starting: its socket is tried again within a tenth of a second, not after gRPC's

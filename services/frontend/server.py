@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
+import os
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +26,7 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 from pagedserve.plumbing.auth import bearer_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.peers import LocalUsersOnly
-from pagedserve.plumbing.rpc import RunningServer, start_server, stop_signal
+from pagedserve.plumbing.rpc import CannotListen, RunningServer, start_server, stop_signal
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
@@ -55,13 +55,18 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def serve(config: FrontendConfig) -> None:
+    # gRPC's own listener, behind the HTTP/2 guard that takes the public port, in a folder of this process's:
+    # gone at exit, also when the start fails (the public port taken, say).
+    with tempfile.TemporaryDirectory(prefix="pagedserve-frontend-", ignore_cleanup_errors=True) as inner:
+        await _serve(config, inner)
+
+
+async def _serve(config: FrontendConfig, inner: str) -> None:
     model_dir = resolve_model(config.model)
     # transformers' tokenizers backend, not AutoTokenizer, which loads torch.
     tokenizer = await asyncio.to_thread(PreTrainedTokenizerFast.from_pretrained, model_dir)
     model_id = config.model_id or model_identity(model_dir)
     workers_changed = asyncio.Event()
-    # gRPC's own listener, behind the HTTP/2 guard that takes the public port, in a folder of this process's.
-    inner = tempfile.mkdtemp(prefix="pagedserve-frontend-")
     guard = GuardedPort(
         f"{inner}/grpc.sock", max_block_bytes=2 * MAX_METADATA_BYTES, tls=config.tls_context()
     )
@@ -106,7 +111,6 @@ async def serve(config: FrontendConfig) -> None:
         health_task.cancel()
         await router.stop()
         tokenizing.shutdown(cancel_futures=True)
-        shutil.rmtree(inner, ignore_errors=True)
 
 
 def _pipeline(
@@ -161,7 +165,13 @@ async def _start_public_port(
         local_address=config.local_address,
         options=bounds,
     )
-    return RunningServer(running.server, running.health, await guard.start(config.address))
+    try:
+        bound = await guard.start(config.address)
+    except OSError as exc:
+        await running.server.stop(None)  # else it goes at exit, after the event loop, with a traceback
+        why = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's words repeat the address
+        raise CannotListen(f"cannot listen on {config.address}: {why}") from exc
+    return RunningServer(running.server, running.health, bound)
 
 
 def _vllm_service(
@@ -205,5 +215,9 @@ def _is_loopback(address: str) -> bool:
 
 def run(config: FrontendConfig) -> int:
     setup_logging("frontend", config.log_level)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except CannotListen as exc:
+        log.error("cannot start: %s", exc)
+        return 1
     return 0

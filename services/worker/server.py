@@ -22,7 +22,7 @@ from pagedserve.kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
-from pagedserve.plumbing.rpc import start_server, stop_signal
+from pagedserve.plumbing.rpc import CannotListen, start_server, stop_signal
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
@@ -338,7 +338,8 @@ def run(config: WorkerConfig) -> int:
     setup_logging(f"worker[{config.name}]", config.log_level)
     try:
         asyncio.run(serve(config))
-    except (DaemonError, ModelRefused) as exc:  # at start: the daemon refused or is not there, or the model
+    # At start: the daemon refused or is not there, the model is refused, or the address is taken.
+    except (DaemonError, ModelRefused, CannotListen) as exc:
         log.error("cannot start: %s", exc)
         return 1
     return 0

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -139,6 +140,36 @@ def test_a_model_id_names_the_model_to_workers_and_clients_alike(tmp_path: Path)
     finally:
         assert frontend.stop() == 0
     assert stack.stop() == 0
+
+
+@pytest.mark.parametrize("command", ["daemon", "frontend", "up"])
+def test_a_taken_port_stops_the_start_saying_so(command: str, run_dir: Path) -> None:
+    """Another process listens on the port (a second `pagedserve up` on the default one, say): the process
+    says in one line that it cannot start and why, exits 1, and leaves nothing in its temporary folder; `up`
+    stops the children it started."""
+    scratch = run_dir / "tmp"  # short: unix socket paths live in it
+    scratch.mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        flags = {
+            "daemon": ["--address", f"127.0.0.1:{port}", "--shm-dir", str(run_dir)],
+            "frontend": ["--address", f"127.0.0.1:{port}"],
+            "up": ["--port", str(port), "--kv-memory", "64MiB"],
+        }[command]
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", command, *flags],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "TMPDIR": str(scratch)},
+        )
+    log = done.stdout + done.stderr
+    assert done.returncode == 1, log
+    assert f"cannot start: cannot listen on 127.0.0.1:{port}: Address already in use" in log, log
+    assert "Traceback" not in log, log
+    assert not list(scratch.iterdir())
+    if command == "up":
+        assert "frontend exited with status 1; stopping the rest" in log, log
 
 
 def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
