@@ -100,9 +100,9 @@ async def start_server(
 
 def _refusal(address: str) -> str | None:
     """Why this machine will not listen on a TCP address (taken, not its own), from a socket of our own."""
-    if address.startswith("unix:"):
+    host, _, port = address.rpartition(":")
+    if address.startswith("unix:") or not port.isdigit():
         return None
-    host, port = address.rsplit(":", 1)
     host = host.strip("[]")
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
