@@ -8,6 +8,7 @@ so a half-open connection must not linger.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import time
@@ -109,7 +110,12 @@ def _refusal(address: str) -> str | None:
         with socket.create_server((host, int(port)), family=family):
             return None
     except OSError as exc:
-        return exc.strerror
+        return bind_error_reason(exc)
+
+
+def bind_error_reason(exc: OSError) -> str:
+    """The kernel's reason a bind failed, alone: Python's socket and asyncio add the address to it."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
 
 
 # For a server that is starting: its socket is tried again within a tenth of a second, not after gRPC's

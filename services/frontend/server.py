@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 from pagedserve.plumbing.auth import bearer_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.peers import LocalUsersOnly
-from pagedserve.plumbing.rpc import CannotListen, RunningServer, start_server, stop_signal
+from pagedserve.plumbing.rpc import CannotListen, RunningServer, bind_error_reason, start_server, stop_signal
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
@@ -169,8 +168,7 @@ async def _start_public_port(
         bound = await guard.start(config.address)
     except OSError as exc:
         await running.server.stop(None)  # else it goes at exit, after the event loop, with a traceback
-        why = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's words repeat the address
-        raise CannotListen(f"cannot listen on {config.address}: {why}") from exc
+        raise CannotListen(f"cannot listen on {config.address}: {bind_error_reason(exc)}") from exc
     return RunningServer(running.server, running.health, bound)
 
 

@@ -165,7 +165,8 @@ def test_a_taken_port_stops_the_start_saying_so(command: str, run_dir: Path) -> 
         )
     log = done.stdout + done.stderr
     assert done.returncode == 1, log
-    assert f"cannot start: cannot listen on 127.0.0.1:{port}: Address already in use" in log, log
+    said = rf"cannot start: cannot listen on 127\.0\.0\.1:{port}: Address already in use$"  # the whole line
+    assert re.search(said, log, re.MULTILINE), log
     assert "Traceback" not in log, log
     assert not list(scratch.iterdir())
     if command == "up":
