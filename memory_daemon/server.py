@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
-from pagedserve.plumbing.rpc import CannotListen, start_server, stop_signal
+from pagedserve.plumbing.rpc import run_process, start_server, stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +48,4 @@ async def serve(config: DaemonConfig) -> None:
 def run(config: DaemonConfig) -> int:
     check_serving_address("pagedserve daemon", config.secret, config.address)
     setup_logging("daemon", config.log_level)
-    try:
-        asyncio.run(serve(config))
-    except CannotListen as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    return 0
+    return run_process(serve(config), log)

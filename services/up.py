@@ -46,6 +46,7 @@ from pagedserve.plumbing.auth import SECRET_ENV
 from pagedserve.plumbing.errors import PermissionDenied
 from pagedserve.plumbing.metrics import METRICS_HOST, metrics_url
 from pagedserve.plumbing.private import private_folder, write_private_file
+from pagedserve.plumbing.rpc import CannotListen, listen_refusal
 from pagedserve.plumbing.settings import positive, setting, tcp_port
 from services.frontend.config import FrontendConfig
 from services.gateway import api_url
@@ -158,6 +159,9 @@ def run(plan: Plan) -> int:
     except Interrupted as exc:
         launcher.say(str(exc))
         return 0
+    except CannotListen as exc:
+        launcher.say(f"cannot start: {exc}")
+        return 1
     except (ChildDied, TimeoutError) as exc:
         launcher.say(f"{exc}; stopping the rest")
         return 1
@@ -169,6 +173,7 @@ def run(plan: Plan) -> int:
 
 def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]:
     """Start every process in order; returns their endpoints, as endpoints.json holds them."""
+    _check_public_addresses(plan, address)
 
     def metrics() -> tuple[list[str], str | None]:
         if not plan.stack.metrics:
@@ -208,6 +213,20 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
         "daemon": {"address": daemon_address, "metrics": daemon_metrics},
         "workers": workers,
     }
+
+
+def _check_public_addresses(plan: Plan, address: str) -> None:
+    """Raise CannotListen if this machine will not listen on an address the stack was told to take (the
+    frontend's, the gateway's or its listener): checked before any child starts, where the frontend found
+    out after the daemon and the workers had started (about 10 s). A port taken after this check still
+    stops the process that wants it."""
+    public = [address, plan.gateway_address]
+    if plan.stack.gateway is not None:
+        public.append(f"{plan.stack.host}:{plan.stack.gateway}")
+    for where in filter(None, public):
+        reason = listen_refusal(where)
+        if reason is not None:
+            raise CannotListen(f"cannot listen on {where}: {reason}")
 
 
 def _start_gateway(launcher: Launcher, plan: Plan, port: int, listener: str) -> dict[str, str | None]:

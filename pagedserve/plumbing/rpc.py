@@ -8,11 +8,12 @@ so a half-open connection must not linger.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -46,6 +47,22 @@ CHANNEL_OPTIONS = [
 
 class CannotListen(OSError):
     """A server's address is taken, or not one this machine can listen on: the process cannot start."""
+
+
+def run_process(
+    serve: Coroutine[object, object, None],
+    log: logging.Logger,
+    start_errors: tuple[type[Exception], ...] = (),
+) -> int:
+    """Run a process's serve() to its end: status 0, or 1 with one line saying why it could not start
+    (its address, or one of start_errors), where a traceback would bury the reason."""
+    expected: tuple[type[Exception], ...] = (CannotListen, *start_errors)
+    try:
+        asyncio.run(serve)
+    except expected as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0
 
 
 @dataclass
@@ -91,7 +108,7 @@ async def start_server(
             server.add_insecure_port(local_address)
     except RuntimeError as exc:  # gRPC says only that it failed to bind
         where = " and ".join(filter(None, (address, local_address)))
-        raise CannotListen(f"cannot listen on {where}: {_refusal(address) or exc}") from exc
+        raise CannotListen(f"cannot listen on {where}: {listen_refusal(address) or exc}") from exc
     await server.start()
     if not address.startswith("unix:"):
         host = address.rsplit(":", 1)[0]
@@ -99,7 +116,7 @@ async def start_server(
     return RunningServer(server, health, address)
 
 
-def _refusal(address: str) -> str | None:
+def listen_refusal(address: str) -> str | None:
     """Why this machine will not listen on a TCP address (taken, not its own), from a socket of our own."""
     host, _, port = address.rpartition(":")
     if address.startswith("unix:") or not port.isdigit():

@@ -25,7 +25,14 @@ from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 from pagedserve.plumbing.auth import bearer_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.peers import LocalUsersOnly
-from pagedserve.plumbing.rpc import CannotListen, RunningServer, bind_error_reason, start_server, stop_signal
+from pagedserve.plumbing.rpc import (
+    CannotListen,
+    RunningServer,
+    bind_error_reason,
+    run_process,
+    start_server,
+    stop_signal,
+)
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
@@ -213,9 +220,4 @@ def _is_loopback(address: str) -> bool:
 
 def run(config: FrontendConfig) -> int:
     setup_logging("frontend", config.log_level)
-    try:
-        asyncio.run(serve(config))
-    except CannotListen as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    return 0
+    return run_process(serve(config), log)

@@ -22,7 +22,7 @@ from pagedserve.kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
-from pagedserve.plumbing.rpc import CannotListen, start_server, stop_signal
+from pagedserve.plumbing.rpc import run_process, start_server, stop_signal
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
@@ -336,10 +336,5 @@ async def serve_loaded(
 def run(config: WorkerConfig) -> int:
     check_serving_address("pagedserve worker", config.secret, config.address)
     setup_logging(f"worker[{config.name}]", config.log_level)
-    try:
-        asyncio.run(serve(config))
-    # At start: the daemon refused or is not there, the model is refused, or the address is taken.
-    except (DaemonError, ModelRefused, CannotListen) as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    return 0
+    # At start: the daemon refused or is not there, or the model is refused.
+    return run_process(serve(config), log, (DaemonError, ModelRefused))

@@ -132,13 +132,15 @@ def smg_stored_blocks(metrics_url: str) -> float:
 
 def test_up_gateway_gets_the_nodes_events_while_the_public_port_wants_a_token(tmp_path: Path) -> None:
     """`up --gateway` wires SMG to the gateway listener, which needs no token, so the public port may
-    require one (it could not before: SMG presents none)."""
+    require one (it could not before: SMG presents none); SMG serves the model by the stack's --model-id."""
     token = tmp_path / "token"
     token.write_text("the-clients-token\n")
     token.chmod(0o600)
     port = free_port()
     stack = start_stack(
-        tmp_path, "--gateway", str(port), "--api-token-file", str(token), "--kv-memory", "256MiB"
+        tmp_path,
+        *("--gateway", str(port), "--api-token-file", str(token), "--kv-memory", "256MiB"),
+        *("--model-id", "house-model"),
     )
     try:
         gateway = json.loads((stack.run_dir / "endpoints.json").read_text())["gateway"]
@@ -150,8 +152,8 @@ def test_up_gateway_gets_the_nodes_events_while_the_public_port_wants_a_token(tm
         full_pages = len(THEIR_PROMPT) // 16
         wait_until(lambda: smg_stored_blocks(gateway["metrics"]) >= full_pages, 60, "SMG to apply the events")
         client = openai.OpenAI(base_url=gateway["address"], api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        reply = client.completions.create(model=model, prompt="The capital of France is", max_tokens=2)
+        assert [model.id for model in client.models.list().data] == ["house-model"]
+        reply = client.completions.create(model="house-model", prompt="The capital of", max_tokens=2)
         assert reply.usage is not None and reply.usage.completion_tokens == 2
     finally:
         assert stack.stop() == 0, stack.log()
