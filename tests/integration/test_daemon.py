@@ -156,6 +156,10 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(
          f"cannot release page {free_page}: it is already free (a double free?)"),
         ("Update", Update(lease_id=lease, release=[my_pages[0], my_pages[0]]), C.FAILED_PRECONDITION,
          "twice in one update"),
+        # A good publish beside the bad release: nothing is applied before everything is checked.
+        ("Update", Update(lease_id=lease, publish=[memory_pb2.PublishedPage(key=b"k", page=my_pages[1])],
+                          release=[free_page]), C.FAILED_PRECONDITION,
+         f"cannot release page {free_page}: it is already free"),
         ("Update", Update(lease_id=lease, release=their_pages), C.PERMISSION_DENIED,
          f"cannot release page {their_pages[0]}: it is leased to worker 'theirs'"),
         ("Update", Update(lease_id=lease, release=[10**6]), C.INVALID_ARGUMENT,

@@ -3,9 +3,9 @@ loopback defaults, size limits, and no unpickling of anything."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import ipaddress
-import re
 import subprocess
 import sys
 import urllib.request
@@ -200,13 +200,75 @@ def test_oversized_messages_are_refused_and_the_server_keeps_serving(tmp_path: P
         assert stack.stop() == 0
 
 
+# Modules that unpickle, and calls that do (torch.load unpickles unless told weights_only).
+UNPICKLING_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib", "marshal", "shelve"}
+UNPICKLING_CALLS = {"torch.load", "torch.jit.load", "torch.serialization.load", "pandas.read_pickle"}
+
+
+def unpickling_uses(source: str) -> list[str]:
+    """Where source could unpickle: an unpickling module imported, an unpickling function named (called or
+    not, by any import name), or allow_pickle / weights_only=False passed."""
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # import name -> full module or attribute name
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]  # `import a.b` names a; `import a.b as c` names a.b
+                aliases[alias.asname or top] = alias.name if alias.asname else top
+                if top in UNPICKLING_MODULES:
+                    found.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in UNPICKLING_MODULES:
+                found.append(f"line {node.lineno}: from {node.module} import")
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute | ast.Name):
+            name = _dotted(node, aliases)
+            if name in UNPICKLING_CALLS or (name and name.split(".")[0] in UNPICKLING_MODULES):
+                found.append(f"line {node.lineno}: {name}")
+        elif isinstance(node, ast.keyword) and node.arg in ("allow_pickle", "weights_only"):
+            safe = isinstance(node.value, ast.Constant) and node.value.value is (node.arg == "weights_only")
+            if not safe:
+                found.append(f"line {node.value.lineno}: {node.arg}={ast.unparse(node.value)}")
+    return found
+
+
+def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """node's full dotted name (np.load -> numpy.load), through the module's import names."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([aliases.get(node.id, node.id), *reversed(parts)])
+
+
+def test_the_unpickling_scan_finds_each_spelling() -> None:
+    spellings = [
+        "import pickle as p",
+        "from dill import loads",
+        "import torch\nloader = torch.load",
+        "from torch import load as fetch\nfetch('w.pt')",
+        "import torch as t\nt.jit.load('m.pt')",
+        "import numpy as np\nnp.load('a.npy', allow_pickle=True)",
+        "import torch\ntorch.load('w.pt', weights_only=False)",
+    ]
+    assert all(unpickling_uses(source) for source in spellings), [
+        s for s in spellings if not unpickling_uses(s)
+    ]
+    safe = "import numpy as np\nimport torch\nnp.load('a.npy', allow_pickle=False)\ntorch.save({}, 'w.pt')"
+    assert unpickling_uses(safe) == []
+
+
 def test_nothing_is_unpickled() -> None:
     """Weights come from safetensors and messages from protobuf: no pickle-based loader anywhere."""
-    unsafe = re.compile(r"\b(import (pickle|marshal|dill|shelve)|from pickle|torch\.load\(|pickle\.loads?)")
     sources = [
         p
         for folder in ("services", "memory_daemon", "pagedserve", "scripts")
         for p in (REPO / folder).rglob("*.py")
     ]
-    offenders = [str(p) for p in sources if unsafe.search(p.read_text())]
+    offenders = {str(p): uses for p in sources if (uses := unpickling_uses(p.read_text()))}
     assert sources and not offenders, offenders

@@ -268,6 +268,9 @@ def _assert_unchanged(ledger: PageLedger, before: object) -> None:
         ({"publish": [(b"", 1)]}, InvalidArgument, "a page key must be 1 to 64 bytes, got 0"),
         ({"publish": [(KEYS[1], 1)], "release": [1]}, FailedPrecondition, "both published and released"),
         ({"release": [1], "unref": [9]}, InvalidArgument, "page 9 is out of range"),
+        # A good change that would be applied before the bad one, were each checked as it is applied.
+        ({"publish": [(KEYS[1], 1)], "release": [5]}, FailedPrecondition, "page 5: it is already free"),
+        ({"unref": [2], "release": [3]}, PermissionDenied, "cannot release page 3: it is leased to worker"),
     ],
 )
 def test_bad_updates_are_refused_whole(kwargs: dict, error: type[Exception], message: str) -> None:

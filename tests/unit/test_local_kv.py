@@ -77,7 +77,7 @@ def test_a_double_free_is_refused_before_anything_changes() -> None:
     cache.free(pages[:1])
     before = cache.usage()
     with pytest.raises(ValueError, match=f"page {pages[0]} is not held by this worker 1 time"):
-        cache.free(pages)
+        cache.free([pages[1], pages[0]])  # the good page first: it must not go back either
     assert cache.usage() == before
     with pytest.raises(ValueError, match="page 60 is not held"):
         cache.free([60])
