@@ -129,6 +129,18 @@ def logits(model: CausalLM, tokens: list[int], kv_dtype: torch.dtype | None = No
     return model.forward(ids, torch.arange(n), [meta], kv, torch.arange(n))
 
 
+def chat_prompts(model_dir: Path, messages: list[str]) -> list[list[int]]:
+    """Each message as a user's turn through the model's chat template, ready for the answer: token ids."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+        )
+        for message in messages
+    ]
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
@@ -139,14 +151,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--dtypes takes {', '.join(VARIANTS)}, not {', '.join(sorted(unknown))}")
     model_dir = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-        )
-        for p in PROMPTS
-    ]
-    prompts = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    prompts = chat_prompts(model_dir, PROMPTS)
     reference_model = load(model_dir, torch.float32, "none")
     reference = greedy(reference_model, prompts, args.tokens)
     reference_logits = [

@@ -253,7 +253,9 @@ def test_logprobs_are_close(family: Family, check_pages: list[EngineCore]) -> No
         assert abs(lp.logprob - expected[step, lp.token_id].item()) < LOGPROB_ATOL
 
 
-def test_stops_at_eos_unless_told_not_to(family: Family, check_pages: list[EngineCore]) -> None:
+def test_stops_at_a_stop_token_id(family: Family, check_pages: list[EngineCore]) -> None:
+    """The stop token ends the stream, included, as in transformers' greedy tokens (EOS and ignore_eos:
+    test_scheduler's stop rules)."""
     (prompt,) = prompts(12, seed=6)
     expected = family.reference(prompt)[0]
     stop_at = expected[5]

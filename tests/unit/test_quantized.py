@@ -177,12 +177,14 @@ def next_token_logprobs(model: CausalLM, sequence: list[int], new: int) -> torch
 def test_int8_smollm2_stays_close_to_float32() -> None:
     """The default model, teacher-forced on float32's greedy continuations of three chat prompts: int8's top
     token is float32's at most positions, and the next-token distributions are close (mean KL)."""
+    from scripts.eval_quantized import PROMPTS, chat_prompts
+
     folder = default_model_dir()
     ops = backend("cpu")
     exact = load_model(folder, dtype=torch.float32, device=CPU, backend=ops)
     int8 = load_model(folder, dtype=torch.float32, device=CPU, backend=ops, quantization="int8")
     kv = LocalKVCache(exact.spec.pool_shape("float32", 16), 64)
-    batch = prompts(20, 45, 80, seed=13)
+    batch = chat_prompts(folder, PROMPTS[:3])
     continuations = run(EngineCore(exact, kv, EngineConfig()), batch)
     agree, kl, positions = 0, 0.0, 0
     for key, prompt in enumerate(batch):
