@@ -57,10 +57,9 @@ class SamplingOptions:
             raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         _check_range("top_k", self.top_k, -1, 1 << 20)
         _check_range("min_p", self.min_p, 0.0, 1.0)
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise InvalidArgument(
-                f"sampling.repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
-            )
+        # Above zero and then some: a positive logit is divided by it, and 1e-39 made it inf and the
+        # probabilities NaN.
+        _check_range("repetition_penalty", self.repetition_penalty, 0.001, 100.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)

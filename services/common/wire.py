@@ -78,6 +78,10 @@ def constraint_from_pb(structured: generation_pb2.StructuredOutput) -> Constrain
         raise InvalidArgument("sampling.structured is set but empty: set one of its kinds")
     if kind == "choice":
         return Constraint("choice", choices=tuple(structured.choice.choices))
+    if kind == "json_object" and not structured.json_object:
+        raise InvalidArgument(
+            "sampling.structured.json_object is false: set it true, or leave sampling.structured unset"
+        )
     return Constraint(kind, "" if kind == "json_object" else getattr(structured, kind))
 
 

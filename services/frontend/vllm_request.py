@@ -17,6 +17,10 @@ from pagedserve.plumbing.errors import InvalidArgument, Unimplemented
 from pagedserve.v1 import generation_pb2
 from services.common.sampling import MAX_LOGPROBS
 
+# vLLM's unsigned fields that are pagedserve's signed ones: a value past int32's range fits no limit.
+_UINT32_TO_INT32 = ("top_k", "max_tokens", "min_tokens", "n")
+_INT32_MAX = 2**31 - 1
+
 
 def request_of(request: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
     """The pagedserve request that answers a vLLM request, its n samples included."""
@@ -33,6 +37,9 @@ def request_of(request: vllm_engine_pb2.GenerateRequest) -> generation_pb2.Gener
 
 def _sampling(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.SamplingParams:
     """vLLM's SamplingParams as pagedserve's, with vLLM's defaults where a proto3 zero means unset."""
+    for field in _UINT32_TO_INT32:
+        if (value := getattr(params, field)) > _INT32_MAX:
+            raise InvalidArgument(f"sampling_params.{field} is {value}, far past pagedserve's limit on it")
     sampling = generation_pb2.SamplingParams(
         top_p=params.top_p or 1.0,
         top_k=params.top_k,
@@ -70,6 +77,8 @@ def _constrain(structured: generation_pb2.StructuredOutput, params: vllm_engine_
     constraint = params.WhichOneof("constraint")
     if constraint == "structural_tag":
         raise Unimplemented("structural tags (structured outputs for tool-call formats) are not supported")
+    if constraint == "json_object" and not params.json_object:
+        raise InvalidArgument("sampling_params.json_object is false: set it true, or set no constraint")
     if constraint == "choice":
         structured.choice.choices.extend(params.choice.choices)
     elif constraint is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -226,6 +227,7 @@ BAD_CONSTRAINTS = [
     (pb.StructuredOutput(grammar="root ::= greeting"), 'Rule "greeting" is not defined'),
     (choice(), "sampling.structured.choice holds 0 strings"),
     (pb.StructuredOutput(), "sampling.structured is set but empty"),
+    (pb.StructuredOutput(json_object=False), "sampling.structured.json_object is false"),
 ]
 
 
@@ -272,6 +274,43 @@ def test_the_same_constraint_compiles_once(grammars: Grammars) -> None:
     assert grammars.compilations == before + 1
     grammars.state(Constraint("json_schema", json.dumps({"type": "array"})))
     assert grammars.compilations == before + 2
+
+
+def test_a_long_compile_holds_up_no_other_requests_intake(
+    grammars: Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schema may take a minute to compile (2300 optional properties took 80 s). Meanwhile the worker's
+    event loop takes other structured requests (state_later): one with a cached grammar starts at once, a
+    new one queues; neither waits on the compile, or the worker falls silent and is failed over."""
+    slow = Constraint("json_schema", json.dumps({"type": "object", "title": "slow"}))
+    cached = Constraint("json_schema", json.dumps({"type": "object", "title": "cached"}))
+    grammars.compiled(cached)
+    compiling, release = threading.Event(), threading.Event()
+    compile_now = grammars._compile
+
+    def held_compile(constraint: Constraint) -> object:
+        if constraint == slow:
+            compiling.set()
+            release.wait(60)
+        return compile_now(constraint)
+
+    monkeypatch.setattr(grammars, "_compile", held_compile)
+    pending = grammars.state_later(slow)
+    assert compiling.wait(10)
+    taken: list[concurrent.futures.Future] = []
+    intake = threading.Thread(
+        target=lambda: taken.extend(grammars.state_later(c) for c in (cached, Constraint("json_object"))),
+        daemon=True,
+    )
+    intake.start()
+    intake.join(10)
+    try:
+        assert len(taken) == 2, "the intake waited for another request's compile"
+        assert taken[0].done() and not taken[1].done()  # the cached one at once; the new one after the slow
+    finally:
+        release.set()
+    assert pending.result(60).terminated is False
+    assert taken[1].result(60).terminated is False
 
 
 @pytest.mark.parametrize(

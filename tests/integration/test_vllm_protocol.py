@@ -192,6 +192,16 @@ def test_what_pagedserve_does_not_do_is_refused_by_name(vllm, ours) -> None:  # 
         with pytest.raises(grpc.RpcError) as refused:
             list(vllm.Generate(generate(bad, True, regex="(" if words == "does not compile" else "")))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+    # vLLM's unsigned fields past pagedserve's signed range, and a JSON constraint turned off.
+    invalid = {
+        **{field: {field: 2**31} for field in ("max_tokens", "top_k", "min_tokens", "n")},
+        "json_object": {"json_object": False},
+    }
+    for field, sampling in invalid.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            list(vllm.Generate(generate(ids, True, **sampling)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert f"sampling_params.{field} is " in refused.value.details()
 
 
 def test_model_server_and_load_facts(vllm) -> None:  # type: ignore[no-untyped-def]

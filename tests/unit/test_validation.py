@@ -235,7 +235,12 @@ def test_seed_is_none_unless_set(builder: RequestBuilder, seed: int | None, expe
         ("top_p", 0.0, "sampling.top_p must be in (0, 1], got 0.0"),
         ("top_p", 1.5, "sampling.top_p must be in (0, 1], got 1.5"),
         ("repetition_penalty", math.nan, "sampling.repetition_penalty must be a finite number, got nan"),
-        ("repetition_penalty", 0.0, "sampling.repetition_penalty must be in (0, 100], got 0.0"),
+        ("repetition_penalty", 0.0, "sampling.repetition_penalty must be between 0.001 and 100.0, got 0.0"),
+        (
+            "repetition_penalty",
+            1e-39,
+            "sampling.repetition_penalty must be between 0.001 and 100.0, got 1.0000002153053333e-39",
+        ),
         ("temperature", math.inf, "sampling.temperature must be a finite number, got inf"),
         ("min_p", 1.5, "sampling.min_p must be between 0.0 and 1.0, got 1.5"),
         ("presence_penalty", 2.5, "sampling.presence_penalty must be between -2.0 and 2.0, got 2.5"),

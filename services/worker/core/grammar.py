@@ -90,31 +90,40 @@ class Grammars:
         return GrammarState(self.compiled(constraint))
 
     def state_later(self, constraint: Constraint) -> Future[GrammarState]:
-        """A new sequence's matcher, compiled on the compiler's thread (at once when it is cached)."""
-        with self._lock:
-            cached = constraint in self._compiled
-        if not cached:
+        """A new sequence's matcher, compiled on the compiler's thread (at once when it is cached). It never
+        waits for a compile: it runs on the worker's event loop, which must keep serving meanwhile."""
+        compiled = self._cached(constraint)
+        if compiled is None:
             return self._compiling.submit(self.state, constraint)
         ready: Future[GrammarState] = Future()
-        ready.set_result(self.state(constraint))
+        ready.set_result(GrammarState(compiled))
         return ready
 
     def compiled(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        cached = self._cached(constraint)
+        if cached is not None:
+            return cached
+        try:
+            # Outside the lock: a schema may take a minute, and the lock guards only the cache.
+            compiled = self._compile(constraint)
+        except RuntimeError as exc:  # xgrammar's message ends with what it could not parse
+            raise InvalidArgument(
+                f"sampling.structured.{constraint.kind} does not compile: {_reason(exc)}"
+            ) from None
         with self._lock:
-            if constraint in self._compiled:
-                self._compiled.move_to_end(constraint)
-                return self._compiled[constraint]
-            try:
-                compiled = self._compile(constraint)
-            except RuntimeError as exc:  # xgrammar's message ends with what it could not parse
-                raise InvalidArgument(
-                    f"sampling.structured.{constraint.kind} does not compile: {_reason(exc)}"
-                ) from None
             self.compilations += 1
-            self._compiled[constraint] = compiled
-            self._bytes += compiled.memory_size_bytes
-            while self._bytes > CACHE_BYTES and len(self._compiled) > 1:
-                self._bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
+            if constraint not in self._compiled:  # another thread may have compiled it meanwhile
+                self._compiled[constraint] = compiled
+                self._bytes += compiled.memory_size_bytes
+                while self._bytes > CACHE_BYTES and len(self._compiled) > 1:
+                    self._bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
+        return compiled
+
+    def _cached(self, constraint: Constraint) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            compiled = self._compiled.get(constraint)
+            if compiled is not None:
+                self._compiled.move_to_end(constraint)
             return compiled
 
     def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
