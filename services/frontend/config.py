@@ -83,6 +83,15 @@ class FrontendConfig:
         "(UNAVAILABLE: REFUSED_STREAM), as its clients do not always wait for a free one",
         check=positive,
     )
+    max_connections: int = setting(
+        0,
+        "TCP connections the public port keeps open at once; more are closed as they come (0: as many as "
+        "the open-file limit allows, at three files each, 1024 kept for the rest)",
+        check=not_negative,
+    )
+    max_client_connections: int = setting(
+        128, "of those, the most that one client address may hold open", check=positive
+    )
     default_max_tokens: int = setting(256, "max_tokens of a request that sets none", check=positive)
     tokenizer_threads: int = setting(2, "threads that tokenize requests; more wait for one", check=positive)
     drain_timeout_s: float = setting(

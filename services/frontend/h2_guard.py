@@ -12,6 +12,12 @@ its own, bound to a random abstract name, which gRPC gives its handlers as the c
 ("unix-abstract:NAME"): `peer_of` turns it back into the client's address, for its share of admission.
 Each direction reads only while the other can take what it writes, so a slow reader holds no more than
 the transports' buffers.
+
+Each connection costs the frontend three file descriptors (the client's, and both ends of the unix
+connection), so the guard bounds them: `max_connections` in all, `max_client_connections` from one client
+address, and a connection that has not sent HTTP/2's preface within `preface_timeout_s` is closed. Idle
+connections from one client once took every descriptor, and no one else could connect. Refusals are logged
+at most once every LOG_EVERY_S seconds, with their count.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import logging
 import secrets
 import socket
 import ssl
+import time
+from collections import Counter
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -30,6 +38,7 @@ _FRAME_HEADER = 9
 _HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
 _END_HEADERS = 0x4
 _ABSTRACT = "unix-abstract:"
+LOG_EVERY_S = 10.0
 
 
 class HeaderBlockGuard:
@@ -43,6 +52,10 @@ class HeaderBlockGuard:
         self._payload = 0  # bytes of the current frame's payload still to come
         self._block: int | None = None  # an open header block's bytes so far; None when none is open
         self._continuations = 0
+
+    @property
+    def past_preface(self) -> bool:
+        return self._preface == 0
 
     def feed(self, data: bytes) -> str | None:
         """Take the next bytes the client sent; returns what is wrong, if they break a limit."""
@@ -91,6 +104,9 @@ class GuardedPort:
         inner_path: str,
         *,
         max_block_bytes: int,
+        max_connections: int,
+        max_client_connections: int,
+        preface_timeout_s: float = 10.0,
         max_continuations: int = 32,
         tls: ssl.SSLContext | None = None,
     ) -> None:
@@ -99,6 +115,31 @@ class GuardedPort:
         self._tls = tls
         self._peers: dict[str, str] = {}  # "unix-abstract:NAME" -> the client's address, as gRPC writes one
         self._server: asyncio.Server | None = None
+        self.max_connections, self.max_client_connections = max_connections, max_client_connections
+        self.preface_timeout_s = preface_timeout_s
+        self._open: Counter[str] = Counter()  # client host -> its connections open
+        self._refused = 0  # since the last log of refusals
+        self._logged_at = -LOG_EVERY_S
+
+    def admit(self, host: str) -> bool:
+        """Count a new connection from host in, or say why not (logged, at most every LOG_EVERY_S)."""
+        if self._open.total() >= self.max_connections:
+            why = f"{self.max_connections} connections are open (--max-connections)"
+        elif self._open[host] >= self.max_client_connections:
+            why = f"{host} has {self.max_client_connections} open (--max-client-connections)"
+        else:
+            self._open[host] += 1
+            return True
+        self._refused += 1
+        if time.monotonic() - self._logged_at >= LOG_EVERY_S:
+            log.warning("refused %d connection(s) since the last such line; the last: %s", self._refused, why)
+            self._refused, self._logged_at = 0, time.monotonic()
+        return False
+
+    def closed(self, host: str) -> None:
+        self._open[host] -= 1
+        if not self._open[host]:
+            del self._open[host]
 
     async def start(self, address: str) -> str:
         """Listen on address ("host:port"; port 0 picks one); returns the address bound."""
@@ -131,11 +172,25 @@ class _ClientSide(asyncio.Protocol):
         self._inner: asyncio.Transport | None = None
         self._early: list[bytes] = []  # what came before gRPC was reached (reading pauses at the first)
         self._name = f"pagedserve-{secrets.token_hex(16)}"
+        self._host: str | None = None  # the client's, once admitted
+        self._preface_due: asyncio.TimerHandle | None = None
+        self._reaching: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        asyncio.get_running_loop().create_task(self._reach_grpc(transport))
+        host = transport.get_extra_info("peername")[0]
+        if not self._port.admit(host):
+            transport.abort()
+            return
+        self._host = host
+        loop = asyncio.get_running_loop()
+        self._preface_due = loop.call_later(self._port.preface_timeout_s, self._preface_late)
+        self._reaching = loop.create_task(self._reach_grpc(transport))
+
+    def _preface_late(self) -> None:
+        if not self._guard.past_preface:
+            self._close()
 
     async def _reach_grpc(self, transport: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()
@@ -182,6 +237,10 @@ class _ClientSide(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._port._peers.pop(_ABSTRACT + self._name, None)
+        if self._preface_due is not None:
+            self._preface_due.cancel()
+        if self._host is not None:
+            self._port.closed(self._host)
         if self._inner is not None:
             self._inner.close()
 

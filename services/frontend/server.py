@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -74,7 +75,11 @@ async def _serve(config: FrontendConfig, inner: str) -> None:
     model_id = config.model_id or model_identity(model_dir)
     workers_changed = asyncio.Event()
     guard = GuardedPort(
-        f"{inner}/grpc.sock", max_block_bytes=2 * MAX_METADATA_BYTES, tls=config.tls_context()
+        f"{inner}/grpc.sock",
+        max_block_bytes=2 * MAX_METADATA_BYTES,
+        max_connections=config.max_connections or connections_the_file_limit_allows(),
+        max_client_connections=config.max_client_connections,
+        tls=config.tls_context(),
     )
     pipeline = _pipeline(
         config, tokenizer, model_id, workers_changed.set, ClientIdentity(config.api_tokens, guard.peer_of)
@@ -211,6 +216,20 @@ async def _start_gateway_listener(
         [],
         interceptors=[guard],
     )
+
+
+def connections_the_file_limit_allows() -> int:
+    """Public connections this process has files for: its open-file limit, raised to the hard one, at three
+    files a connection (`h2_guard`), less 1024 for everything else (workers' links, the model's files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard, 2**20) if hard != resource.RLIM_INFINITY else 2**20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass  # the limit as it is
+    return max(16, (min(soft, wanted) - 1024) // 3)
 
 
 def _is_loopback(address: str) -> bool:

@@ -1,10 +1,12 @@
 """The public port's HTTP/2 guard, fed the client's side of a connection in pieces of every size: whole
 requests pass, a header block too large or of too many CONTINUATION frames is caught where it crosses the
-limit (the relay and the flood on a real stack: tests/integration/test_http2_abuse.py)."""
+limit (the relay and the flood on a real stack: tests/integration/test_http2_abuse.py); and in front of a
+real gRPC server, the connections it keeps open are bounded, in all and by client address."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from asyncio import selector_events
 from pathlib import Path
@@ -89,7 +91,9 @@ def test_a_call_through_the_relay_reaches_grpc_with_the_clients_own_address(
     monkeypatch.setattr(selector_events._SelectorTransport, "_add_reader", add_reader_as_311_2)
 
     async def scenario() -> tuple[str, str]:
-        port = GuardedPort(str(tmp_path / "grpc.sock"), max_block_bytes=32768)
+        port = GuardedPort(
+            str(tmp_path / "grpc.sock"), max_block_bytes=32768, max_connections=16, max_client_connections=16
+        )
 
         async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             return port.peer_of(context.peer()).encode()
@@ -112,3 +116,65 @@ def test_a_call_through_the_relay_reaches_grpc_with_the_clients_own_address(
     seen, address = asyncio.run(scenario())
     host, _, client_port = seen.removeprefix("ipv4:").rpartition(":")
     assert host == "127.0.0.1" and client_port.isdigit() and client_port != address.rsplit(":", 1)[1]
+
+
+async def echo_server(path: str) -> grpc.aio.Server:
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("t.T", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})]
+    )
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    return server
+
+
+async def kept_open(address: str, source: str, seconds: float = 0.3) -> bool:
+    """Whether a connection from source (a loopback address) that sends nothing stays open for seconds."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+    try:
+        return await asyncio.wait_for(reader.read(1), seconds) != b""
+    except TimeoutError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        writer.close()
+
+
+def test_idle_connections_are_bounded_in_all_by_client_and_in_time(tmp_path: Path) -> None:
+    """Idle connections of one address once took every file descriptor of the frontend (three each), and
+    no one else could connect: now one address holds at most max_client_connections, everyone together
+    max_connections, and a connection that sends no HTTP/2 preface is closed after preface_timeout_s."""
+
+    async def scenario() -> None:
+        port = GuardedPort(
+            str(tmp_path / "grpc.sock"),
+            max_block_bytes=32768,
+            max_connections=3,
+            max_client_connections=2,
+            preface_timeout_s=1.0,
+        )
+        server = await echo_server(port.inner_path)
+        address = await port.start("127.0.0.1:0")
+        host, number = address.rsplit(":", 1)
+        try:
+            idle = [
+                await asyncio.open_connection(host, int(number), local_addr=("127.0.0.2", 0)) for _ in "ab"
+            ]
+            assert not await kept_open(address, "127.0.0.2"), "a third connection of one address"
+            async with grpc.aio.insecure_channel(address) as channel:  # another address: its one connection
+                assert await channel.unary_unary("/t.T/Echo")(b"hi") == b"hi"
+                assert not await kept_open(address, "127.0.0.3"), "a fourth connection in all"
+            for reader, _ in idle:  # no preface: closed when it is due (gRPC's own preface came first)
+                with contextlib.suppress(ConnectionResetError):
+                    await asyncio.wait_for(reader.read(), 5)
+            assert await kept_open(address, "127.0.0.2"), "their places are free again"
+        finally:
+            port.stop()
+            await server.stop(0)
+
+    asyncio.run(scenario())
