@@ -90,7 +90,10 @@ class FrontendConfig:
         check=not_negative,
     )
     max_client_connections: int = setting(
-        128, "of those, the most that one client address may hold open", check=positive
+        128,
+        "of those, the most that one client address may hold open (a proxy in front is one address: raise "
+        "it for one)",
+        check=positive,
     )
     default_max_tokens: int = setting(256, "max_tokens of a request that sets none", check=positive)
     tokenizer_threads: int = setting(2, "threads that tokenize requests; more wait for one", check=positive)
