@@ -219,10 +219,11 @@ async def _start_gateway_listener(
 
 
 def connections_the_file_limit_allows() -> int:
-    """Public connections this process has files for: its open-file limit, raised to the hard one, at three
-    files a connection (`h2_guard`), less 1024 for everything else (workers' links, the model's files)."""
+    """Public connections this process has files for: its open-file limit, raised towards the hard one (up
+    to 65536, as vLLM raises it), at three files a connection (`h2_guard`), less 1024 for everything else
+    (workers' links, the model's files). Past some 20,000 connections, memory is the bound, not files."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = min(hard, 2**20) if hard != resource.RLIM_INFINITY else 2**20
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
