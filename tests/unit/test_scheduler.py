@@ -533,6 +533,7 @@ def test_a_sequence_aborted_while_compiling_leaves_nothing_behind() -> None:
     kv = make_kv(8)
     scheduler = make_scheduler(kv)
     compiled: Future = Future()
+    compiled.set_running_or_notify_cancel()  # compiling already
     seq = compiling_seq("r", compiled)
     scheduler.add(seq)
     scheduler.finish(seq, FinishReason.ABORT)
@@ -540,6 +541,20 @@ def test_a_sequence_aborted_while_compiling_leaves_nothing_behind() -> None:
     assert (scheduler.schedule().items, scheduler.requests, scheduler.num_waiting) == ([], {}, 0)
     assert seq.status is Status.FINISHED and seq.grammar is None
     assert_settled(kv)
+
+
+def test_an_aborted_sequences_compile_that_has_not_started_is_called_off() -> None:
+    """The grammar compiler has one thread, and a schema may take it a minute (2300 optional properties took
+    80 s): compiles queued for clients that gave up would each hold up every structured request in turn."""
+    scheduler = make_scheduler(make_kv(8))
+    queued: Future = Future()
+    running: Future = Future()
+    running.set_running_or_notify_cancel()
+    for key, compiled in (("queued", queued), ("running", running)):
+        seq = compiling_seq(key, compiled)
+        scheduler.add(seq)
+        scheduler.finish(seq, FinishReason.ABORT)
+    assert queued.cancelled() and not running.cancelled()
 
 
 # A launched step's tokens -----------------------------------------------------------------------------------

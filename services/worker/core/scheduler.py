@@ -152,6 +152,8 @@ class Scheduler:
             heapq.heapify(self._waiting)
         elif seq.status is Status.COMPILING:
             self._compiling.remove(seq)
+            if seq.compiling is not None:  # not started yet, it never will: one compile may take a minute
+                seq.compiling.cancel()
         self._release(seq)
         if seq.in_flight:  # the tokens launched after its last one
             del seq.tokens[-seq.in_flight :]
