@@ -226,7 +226,7 @@ def _check_public_addresses(plan: Plan, address: str) -> None:
     for where in filter(None, public):
         reason = listen_refusal(where)
         if reason is not None:
-            raise CannotListen(f"cannot listen on {where}: {reason}")
+            raise CannotListen(where, reason)
 
 
 def _start_gateway(launcher: Launcher, plan: Plan, port: int, listener: str) -> dict[str, str | None]:

@@ -48,6 +48,9 @@ CHANNEL_OPTIONS = [
 class CannotListen(OSError):
     """A server's address is taken, or not one this machine can listen on: the process cannot start."""
 
+    def __init__(self, where: str, reason: object) -> None:
+        super().__init__(f"cannot listen on {where}: {reason}")
+
 
 def run_process(
     serve: Coroutine[object, object, None],
@@ -108,7 +111,7 @@ async def start_server(
             server.add_insecure_port(local_address)
     except RuntimeError as exc:  # gRPC says only that it failed to bind
         where = " and ".join(filter(None, (address, local_address)))
-        raise CannotListen(f"cannot listen on {where}: {listen_refusal(address) or exc}") from exc
+        raise CannotListen(where, listen_refusal(address) or exc) from exc
     await server.start()
     if not address.startswith("unix:"):
         host = address.rsplit(":", 1)[0]

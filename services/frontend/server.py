@@ -180,7 +180,7 @@ async def _start_public_port(
         bound = await guard.start(config.address)
     except OSError as exc:
         await running.server.stop(None)  # else it goes at exit, after the event loop, with a traceback
-        raise CannotListen(f"cannot listen on {config.address}: {bind_error_reason(exc)}") from exc
+        raise CannotListen(config.address, bind_error_reason(exc)) from exc
     return RunningServer(running.server, running.health, bound)
 
 
