@@ -27,6 +27,11 @@ BAD = {
     "a prompt over the context": ([5] * (CONTEXT + 3), pb.SamplingParams(max_tokens=4)),
     "a prompt that leaves no room": ([5] * CONTEXT, pb.SamplingParams(max_tokens=4)),
     "a temperature out of range": ([5, 6], pb.SamplingParams(max_tokens=4, temperature=-1.0)),
+    # Past float32's range once it divides a logit: every logit inf, and token 0 streamed as if all were well.
+    "a repetition penalty below its floor": (
+        [5, 6],
+        pb.SamplingParams(max_tokens=4, repetition_penalty=1e-39),
+    ),
 }
 
 
