@@ -17,7 +17,8 @@ Each connection costs the frontend three file descriptors (the client's, and bot
 connection), so the guard bounds them: `max_connections` in all, `max_client_connections` from one client
 address, and a connection that has not sent HTTP/2's preface within `preface_timeout_s` is closed. Idle
 connections from one client once took every descriptor, and no one else could connect. Refusals are logged
-at most once every LOG_EVERY_S seconds, with their count.
+at most once every LOG_EVERY_S seconds, with their count: the first at once, those after it when the
+interval ends.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ class GuardedPort:
         self.max_connections, self.max_client_connections = max_connections, max_client_connections
         self.preface_timeout_s = preface_timeout_s
         self._open: Counter[str] = Counter()  # client host -> its connections open
-        self._refused = 0  # since the last log of refusals
+        self._refused, self._last_refusal = 0, ""  # since the last log of refusals
         self._logged_at = -LOG_EVERY_S
+        self._log_due: asyncio.TimerHandle | None = None
 
     def admit(self, host: str) -> bool:
         """Count a new connection from host in, or say why not (logged, at most every LOG_EVERY_S)."""
@@ -130,11 +132,16 @@ class GuardedPort:
         else:
             self._open[host] += 1
             return True
-        self._refused += 1
-        if time.monotonic() - self._logged_at >= LOG_EVERY_S:
-            log.warning("refused %d connection(s) since the last such line; the last: %s", self._refused, why)
-            self._refused, self._logged_at = 0, time.monotonic()
+        self._refused, self._last_refusal = self._refused + 1, why
+        if self._log_due is None:
+            wait = max(0.0, self._logged_at + LOG_EVERY_S - time.monotonic())
+            self._log_due = asyncio.get_running_loop().call_later(wait, self._log_refusals)
         return False
+
+    def _log_refusals(self) -> None:
+        refused, why = self._refused, self._last_refusal
+        log.warning("refused %d connection(s) since the last such line; the last: %s", refused, why)
+        self._refused, self._logged_at, self._log_due = 0, time.monotonic(), None
 
     def closed(self, host: str) -> None:
         self._open[host] -= 1
@@ -160,6 +167,9 @@ class GuardedPort:
         Not wait_closed: from Python 3.12 it waits for those connections too."""
         if self._server is not None:
             self._server.close()
+        if self._log_due is not None:  # refusals not logged yet: now
+            self._log_due.cancel()
+            self._log_refusals()
 
 
 class _ClientSide(asyncio.Protocol):

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from services.frontend import h2_guard
 from services.frontend.h2_guard import PREFACE, GuardedPort, HeaderBlockGuard, _ClientSide
 
 DATA, HEADERS, SETTINGS, CONTINUATION = 0x0, 0x1, 0x4, 0x9
@@ -145,10 +146,14 @@ async def kept_open(address: str, source: str, seconds: float = 0.3) -> bool:
         writer.close()
 
 
-def test_idle_connections_are_bounded_in_all_by_client_and_in_time(tmp_path: Path) -> None:
+def test_idle_connections_are_bounded_in_all_by_client_and_in_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Idle connections of one address once took every file descriptor of the frontend (three each), and
     no one else could connect: now one address holds at most max_client_connections, everyone together
-    max_connections, and a connection that sends no HTTP/2 preface is closed after preface_timeout_s."""
+    max_connections, and a connection that sends no HTTP/2 preface is closed after preface_timeout_s. The
+    first refusal is logged at once, and one within the log's interval when the interval ends."""
+    monkeypatch.setattr(h2_guard, "LOG_EVERY_S", 0.5)
 
     async def scenario() -> None:
         port = GuardedPort(
@@ -173,6 +178,13 @@ def test_idle_connections_are_bounded_in_all_by_client_and_in_time(tmp_path: Pat
                 with contextlib.suppress(ConnectionResetError):
                     await asyncio.wait_for(reader.read(), 5)
             assert await kept_open(address, "127.0.0.2"), "their places are free again"
+            refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+            assert refusals == [
+                "refused 1 connection(s) since the last such line; the last: 127.0.0.2 has 2 open "
+                "(--max-client-connections)",
+                "refused 1 connection(s) since the last such line; the last: 3 connections are open "
+                "(--max-connections)",
+            ]
         finally:
             port.stop()
             await server.stop(0)
