@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedserve.plumbing.auth import SECRET_ENV
 from pagedserve.plumbing.rpc import wait_for_health
@@ -192,10 +193,19 @@ class Stack:
     def daemon_address(self) -> str:
         return f"unix:{self.run_dir}/daemon.sock"
 
+    def endpoints(self) -> dict[str, Any]:
+        """endpoints.json: the addresses and metrics URLs `up` wrote of its processes."""
+        return dict(json.loads((self.run_dir / "endpoints.json").read_text()))
+
+    def metrics_url(self, role: str, index: int = 0) -> str:
+        """The /metrics URL of the stack's frontend, daemon, or worker `index`."""
+        endpoints = self.endpoints()
+        return str((endpoints["workers"][index] if role == "worker" else endpoints[role])["metrics"])
+
     @property
     def gateway_address(self) -> str:
         """The frontend's gateway listener (--gateway-address), as endpoints.json names it."""
-        address = json.loads((self.run_dir / "endpoints.json").read_text())["frontend"]["gateway_address"]
+        address = self.endpoints()["frontend"]["gateway_address"]
         assert address, "this stack's frontend has no --gateway-address"
         return str(address)
 

@@ -7,7 +7,6 @@ runs."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import grpc
@@ -51,12 +50,12 @@ def metadata(client: str) -> tuple[tuple[str, str], ...]:
 
 def admission(stack: Stack) -> tuple[float, float]:
     """(running, waiting) as the frontend counts them."""
-    scrape = Scrape(json.loads((stack.run_dir / "endpoints.json").read_text())["frontend"]["metrics"])
+    scrape = Scrape(stack.metrics_url("frontend"))
     return scrape("pagedserve_requests_running"), scrape("pagedserve_requests_waiting")
 
 
 def calls_ended(stack: Stack, code: str) -> float:
-    scrape = Scrape(json.loads((stack.run_dir / "endpoints.json").read_text())["frontend"]["metrics"])
+    scrape = Scrape(stack.metrics_url("frontend"))
     return scrape.samples.get(("pagedserve_requests_total", frozenset({("code", code)})), 0.0)
 
 

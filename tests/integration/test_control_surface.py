@@ -5,7 +5,6 @@ all three to this user's processes; another local user (`nobody`) is refused the
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,7 +142,7 @@ def test_up_gateway_gets_the_nodes_events_while_the_public_port_wants_a_token(tm
         *("--model-id", "house-model"),
     )
     try:
-        gateway = json.loads((stack.run_dir / "endpoints.json").read_text())["gateway"]
+        gateway = stack.endpoints()["gateway"]
         request = pb.GenerateRequest(prompt_token_ids=THEIR_PROMPT, sampling=pb.SamplingParams(max_tokens=1))
         with grpc.insecure_channel(stack.address) as channel:
             ours = generation_pb2_grpc.GenerationStub(channel)

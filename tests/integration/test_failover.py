@@ -14,7 +14,6 @@ MKL, which rounds differently.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -151,8 +150,7 @@ def books_balance(stack: Stack) -> bool:
 
 
 def failovers(stack: Stack, outcome: str) -> float:
-    endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
-    return Scrape(endpoints["frontend"]["metrics"])("pagedserve_failovers_total", outcome=outcome)
+    return Scrape(stack.metrics_url("frontend"))("pagedserve_failovers_total", outcome=outcome)
 
 
 def flush_prefix_cache(stack: Stack) -> None:

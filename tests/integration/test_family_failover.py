@@ -6,7 +6,6 @@ far in the daemon's prefix cache, and every page comes back.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -62,8 +61,7 @@ def test_a_stream_of_the_family_survives_the_loss_of_its_worker(family: str, tmp
             finish([call])
         assert call.code == grpc.StatusCode.OK, call.details
         assert call.token_ids() == expected
-        endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
-        assert Scrape(endpoints["frontend"]["metrics"])("pagedserve_failovers_total", outcome="moved") == 1
+        assert Scrape(stack.metrics_url("frontend"))("pagedserve_failovers_total", outcome="moved") == 1
         # The other worker found the 40 prompt tokens' 2 full pages of 16, and more, for each group of layers.
         assert pool_counts(stack.daemon_address).prefix_hit_pages - hits >= 2
         with internal_channel(stack.daemon_address) as daemon:

@@ -5,7 +5,6 @@ never read, a guesser reading the prefix cache, special tokens typed into a chat
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import socket
@@ -53,8 +52,7 @@ def peak_memory_mib(pid: int) -> float:
 
 
 def frontend_metric(stack: Stack, name: str) -> float:
-    endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
-    return Scrape(endpoints["frontend"]["metrics"])(name)
+    return Scrape(stack.metrics_url("frontend"))(name)
 
 
 def test_megabyte_prompts_are_refused_at_once_and_memory_stays_flat(

@@ -232,8 +232,7 @@ def test_the_bench_sends_a_stack_and_the_gateway_the_same_tokens(
 
 def prompt_tokens(stack: Stack) -> tuple[float, float]:
     """The stack's worker's (prompt tokens, of which from the prefix cache), as it counts them."""
-    endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
-    scrape = Scrape(endpoints["workers"][0]["metrics"])
+    scrape = Scrape(stack.metrics_url("worker"))
     return scrape("pagedserve_worker_prompt_tokens_total"), scrape(
         "pagedserve_worker_cached_prompt_tokens_total"
     )

@@ -12,7 +12,6 @@ a stream would pass it. Run with -s for the figures each test prints.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -70,14 +69,9 @@ def host_port(stack: Stack) -> tuple[str, int]:
     return host, int(port)
 
 
-def scrape(stack: Stack, role: str) -> Scrape:
-    endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
-    return Scrape((endpoints[role] if role == "frontend" else endpoints[role][0])["metrics"])
-
-
 def calls_handled(stack: Stack) -> float:
     """Generate and Complete calls that reached the frontend's servicer, whatever their end."""
-    samples = scrape(stack, "frontend").samples
+    samples = Scrape(stack.metrics_url("frontend")).samples
     return sum(value for (name, _), value in samples.items() if name == "pagedserve_requests_total")
 
 

@@ -6,7 +6,6 @@ balance (`check_invariants`) at every step. Then the whole stack on the default 
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -321,7 +320,7 @@ def test_a_prompt_served_from_a_tier_gives_the_same_greedy_tokens(
             first = complete(prompt)
             for other in range(6):  # each about as long, none sharing a page with it
                 complete(f"Story {other}: " + " ".join(f"{other} then {i}." for i in range(60)))
-            daemon = json.loads((stack.run_dir / "endpoints.json").read_text())["daemon"]
+            daemon = stack.endpoints()["daemon"]
 
             def tier(counter: str) -> float:
                 return Scrape(daemon["metrics"])(f"pagedserve_kv_tier_{counter}_total", tier=medium)

@@ -3,7 +3,6 @@ numbers, and each process's /metrics is scraped over HTTP and parsed with promet
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,16 +35,12 @@ def eventually(url: str, ready: Callable[[Scrape], bool], timeout_s: float = 15)
     )
 
 
-def read_endpoints(stack: Stack) -> dict[str, Any]:
-    return json.loads((stack.run_dir / "endpoints.json").read_text())
-
-
 def test_no_metrics_writes_null_endpoints(tmp_path: Path) -> None:
     # First in the file, so that its stack is gone before the module's stack starts.
     default_model_dir()
     stack = start_stack(tmp_path, "--kv-memory", "64MiB", "--no-metrics")
     try:
-        endpoints = read_endpoints(stack)
+        endpoints = stack.endpoints()
         assert endpoints == {
             "frontend": {"address": stack.address, "metrics": None, "gateway_address": None},
             "daemon": {"address": stack.daemon_address, "metrics": None},
@@ -64,7 +59,7 @@ def stack() -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def endpoints(stack: Stack) -> dict[str, Any]:
-    return read_endpoints(stack)
+    return stack.endpoints()
 
 
 @dataclass

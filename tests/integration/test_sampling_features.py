@@ -4,7 +4,6 @@ bad values of each refused by name while the server keeps serving and every page
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections import defaultdict
@@ -76,7 +75,7 @@ def pages_all_back(stack: Stack) -> None:
 
 def test_greedy_samples_are_all_the_one_greedy_output(stack: Stack, stub: Stub) -> None:
     alone = stub.Complete(generate_request(prompt=STORY, max_tokens=12, ignore_eos=True, **GREEDY))
-    url = json.loads((stack.run_dir / "endpoints.json").read_text())["frontend"]["metrics"]
+    url = stack.metrics_url("frontend")
     before = Scrape(url)("pagedserve_generation_tokens_total")
     samples = samples_of(stub, 3, prompt=STORY, max_tokens=12, ignore_eos=True, **GREEDY)
     for responses in samples.values():

@@ -48,8 +48,7 @@ def stub(stack: Stack) -> Iterator[Stub]:
 
 
 def worker_metrics(stack: Stack) -> Scrape:
-    endpoints = json.loads((stack.run_dir / "endpoints.json").read_text())
-    return Scrape(endpoints["workers"][0]["metrics"])
+    return Scrape(stack.metrics_url("worker"))
 
 
 def steps_and_drafts(stack: Stack) -> tuple[float, float, float, float]:
