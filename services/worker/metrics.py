@@ -3,7 +3,8 @@
 The engine runs in its own thread and prometheus_client scrapes from another, so the collector reads only
 the engine's facade: `Engine.stats()`, a frozen snapshot the engine thread replaces after every step,
 `Engine.load()` and the pool's `usage()` (both take their own locks). Step time and tokens per step go into
-two histograms through the engine's `on_step` hook, one observation each per forward pass.
+two histograms through the engine's `on_step` hook, one observation each per forward pass; the seconds of
+each structured output's compile into a third, through its compiler's `on_compile`.
 
 Token counters (`EngineStats`): cached / prompt is the prefix cache's hit rate over admitted prompts. KV
 fragmentation is 1 - slots_used / slots_allocated.
@@ -21,6 +22,8 @@ from services.worker.core.loop import Engine
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_TOKENS_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192
+# A grammar compiles in milliseconds, a schema of many optional properties in seconds to minutes.
+COMPILE_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class EngineCollector(Collector):
@@ -117,4 +120,12 @@ def instrument(engine: Engine, registry: CollectorRegistry = REGISTRY) -> None:
         batch_tokens.observe(tokens)
 
     engine.on_step = on_step
+    if engine.grammars is not None:
+        engine.grammars.on_compile = Histogram(
+            "pagedserve_worker_grammar_compile_seconds",
+            "duration of a structured output's compile (cache misses alone; failed ones too): one thread "
+            "compiles, and the structured requests behind it wait",
+            buckets=COMPILE_SECONDS_BUCKETS,
+            registry=registry,
+        ).observe
     registry.register(EngineCollector(engine))

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -81,6 +82,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._bytes = 0  # the kept grammars' size
         self.compilations = 0  # how many constraints were compiled, cache misses alone
+        self.on_compile: Callable[[float], None] | None = None  # the seconds of each compile, failed or not
         # One thread: a schema that takes seconds to compile holds up neither the engine's steps nor the
         # requests without one.
         self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
@@ -103,6 +105,7 @@ class Grammars:
         cached = self._cached(constraint)
         if cached is not None:
             return cached
+        started = time.perf_counter()
         try:
             # Outside the lock: a schema may take a minute, and the lock guards only the cache.
             compiled = self._compile(constraint)
@@ -110,6 +113,9 @@ class Grammars:
             raise InvalidArgument(
                 f"sampling.structured.{constraint.kind} does not compile: {_reason(exc)}"
             ) from None
+        finally:
+            if self.on_compile is not None:
+                self.on_compile(time.perf_counter() - started)
         with self._lock:
             self.compilations += 1
             if constraint not in self._compiled:  # another thread may have compiled it meanwhile

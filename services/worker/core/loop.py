@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pagedserve.plumbing.errors import Internal, Unavailable
 from services.common.request import EngineRequest
 from services.worker.core.engine import EngineCore
+from services.worker.core.grammar import Grammars
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence, TokenLogprob
 from services.worker.kv.base import KVCache, PoolLost
 from services.worker.models.spec import ModelSpec
@@ -84,6 +85,11 @@ class Engine:
     def kv(self) -> KVCache:
         """The pool the engine runs on (its usage takes its own lock)."""
         return self._core.kv
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The structured outputs' compiler (thread-safe); None where the engine refuses them."""
+        return self._core.grammars
 
     @property
     def draft_kv(self) -> KVCache | None:
