@@ -1,6 +1,7 @@
 """The child processes of `pagedserve up`: started in order, each once healthy, restarted when they die.
 
-Each child starts only after the one it needs reports SERVING through grpc.health.v1, and every line a
+Each child starts only after the one it needs reports SERVING through grpc.health.v1 (the workers, which
+need only the daemon, start together), and every line a
 child prints comes out prefixed with its name. Children get SIGTERM if this process dies
 (PR_SET_PDEATHSIG, which each asks for as it starts: spawn), so none is orphaned, and run in sessions of
 their own, so that a terminal's Ctrl-C
@@ -75,6 +76,7 @@ def free_port(host: str) -> int:
 
 
 RESTART_LIMIT = 5  # restarts of one child within a minute
+START_TIMEOUT_S = 600.0  # for a child to report SERVING once started
 
 
 @dataclass
@@ -82,7 +84,7 @@ class Child:
     name: str
     args: list[str]
     address: str  # where its health is checked
-    health_service: str
+    health_service: str = ""  # the grpc.health.v1 service checked ("": the server as a whole)
     proc: subprocess.Popen[bytes] | None = None
     deaths: list[float] = field(default_factory=list)  # when it died, for the restart limit
 
@@ -103,23 +105,28 @@ class Launcher:
         self.stopping = threading.Event()  # set by Ctrl-C or SIGTERM
         self._print_lock = threading.Lock()
 
-    def start(self, name: str, args: list[str], address: str, health_service: str = "") -> Child:
-        child = Child(name, args, address, health_service)
-        self.children.append(child)
-        self.launch(child)
-        return child
+    def start(self, *children: Child) -> None:
+        """Start children that need none of each other together, and wait until each reports SERVING (one
+        worker after another took their start times added up). A child started before them, or one of them,
+        that dies stops the start."""
+        self.children.extend(children)
+        for child in children:
+            self._spawn(child)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for child in children:
+            self._wait_serving(child, deadline, restarting=False)
 
-    def launch(self, child: Child, timeout_s: float = 600, restarting: bool = False) -> None:
-        """Start the child's process and wait until it reports SERVING. While the stack starts, a child
-        started before it that dies stops the start; while restarting, another child that dies (a sibling
-        worker) waits its turn, to be restarted next."""
+    def _spawn(self, child: Child) -> None:
         command = [sys.executable, "-m", "services.cli", *child.args]
         # A session of its own: a terminal's Ctrl-C reaches only this launcher, which stops children in order.
         child.proc = spawn(command, self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         threading.Thread(
             target=self._relay, args=(child, child.proc), name=f"log-{child.name}", daemon=True
         ).start()
-        deadline = time.monotonic() + timeout_s
+
+    def _wait_serving(self, child: Child, deadline: float, restarting: bool) -> None:
+        """Wait until child reports SERVING. While restarting, another child that dies (a sibling worker)
+        waits its turn, to be restarted next."""
         while True:
             dead = child if child.dead() else None
             if dead is None and not restarting:
@@ -137,7 +144,7 @@ class Launcher:
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{child.name} did not report SERVING within {timeout_s:.0f}s"
+                        f"{child.name} did not report SERVING within {START_TIMEOUT_S:.0f}s"
                     ) from None
 
     def restart(self, child: Child) -> None:
@@ -147,7 +154,8 @@ class Launcher:
         if len(child.deaths) > RESTART_LIMIT:
             raise ChildDied(child, f"; it died {len(child.deaths)} times within a minute")
         self.say(f"{child.name} {child.exit_reason()}; starting it again")
-        self.launch(child, restarting=True)
+        self._spawn(child)
+        self._wait_serving(child, time.monotonic() + START_TIMEOUT_S, restarting=True)
         self.say(f"{child.name} is back")
 
     def say(self, message: str) -> None:

@@ -50,7 +50,7 @@ from pagedserve.plumbing.rpc import CannotListen, listen_refusal
 from pagedserve.plumbing.settings import positive, setting, tcp_port
 from services.frontend.config import FrontendConfig
 from services.gateway import api_url
-from services.launcher import ChildDied, Interrupted, Launcher, free_port
+from services.launcher import Child, ChildDied, Interrupted, Launcher, free_port
 from services.worker.config import WorkerConfig
 
 # Set by `up` for each child, so not flags of `up`.
@@ -184,14 +184,16 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
     daemon_address = f"unix:{launcher.run_dir}/daemon.sock"
     daemon_flags, daemon_metrics = metrics()
     daemon = ["daemon", "--address", daemon_address, *daemon_flags, *plan.flags["daemon"]]
-    launcher.start("daemon", daemon, daemon_address)
+    launcher.start(Child("daemon", daemon, daemon_address))
     workers: list[dict[str, str | None]] = []
+    worker_children: list[Child] = []
     for i in range(plan.stack.workers):
         name, worker_address = f"worker-{i}", f"unix:{launcher.run_dir}/worker-{i}.sock"
         worker_flags, worker_metrics = metrics()
         worker = ["worker", "--name", name, "--address", worker_address, "--daemon", daemon_address]
-        launcher.start(name, [*worker, *worker_flags, *plan.flags["worker"]], worker_address)
+        worker_children.append(Child(name, [*worker, *worker_flags, *plan.flags["worker"]], worker_address))
         workers.append({"name": name, "address": worker_address, "metrics": worker_metrics})
+    launcher.start(*worker_children)
     frontend_flags, frontend_metrics = metrics()
     local_address = f"unix:{launcher.run_dir}/frontend.sock"
     frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
@@ -201,9 +203,8 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
     if gateway_address is None and plan.stack.gateway is not None:
         gateway_address = f"127.0.0.1:{free_port('127.0.0.1')}"
         frontend += ["--gateway-address", gateway_address]
-    launcher.start(
-        "frontend", [*frontend, *plan.flags["frontend"]], local_address, "pagedserve.v1.Generation"
-    )
+    generation = "pagedserve.v1.Generation"
+    launcher.start(Child("frontend", [*frontend, *plan.flags["frontend"]], local_address, generation))
     endpoints: dict[str, Any] = {}
     if plan.stack.gateway is not None:
         assert gateway_address is not None
@@ -242,7 +243,7 @@ def _start_gateway(launcher: Launcher, plan: Plan, port: int, listener: str) -> 
         metrics_port = free_port(METRICS_HOST)
         gateway += ["--metrics-port", str(metrics_port)]
         metrics = metrics_url(metrics_port)
-    launcher.start("gateway", gateway + (["--model", plan.model] if plan.model else []), url)
+    launcher.start(Child("gateway", gateway + (["--model", plan.model] if plan.model else []), url))
     return {"address": f"{url}/v1", "metrics": metrics}
 
 

@@ -325,6 +325,22 @@ def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
 
 
+def test_workers_start_together_and_one_that_dies_stops_the_start(tmp_path: Path) -> None:
+    """The workers need only the daemon: one after another, their start times added up."""
+    stack = launch_stack(tmp_path, "--workers", "2", "--kv-memory", "128MiB")
+
+    def started(name: str) -> int | None:
+        return next((int(line.split()[0]) for line in stack.survivors() if f"--name {name} " in line), None)
+
+    second = wait_until(lambda: started("worker-1"), 120, lambda: f"worker-1 to start:\n{stack.log()}")
+    assert started("worker-0") is not None
+    assert not (stack.run_dir / "worker-0.sock").exists(), "worker-1 started only once worker-0 served"
+    os.kill(second, signal.SIGKILL)
+    assert stack.proc.wait(timeout=60) == 1, stack.log()
+    assert "worker-1 killed by SIGKILL; stopping the rest" in stack.log()
+    assert "pagedserve is up" not in stack.log() and not stack.survivors()
+
+
 @pytest.mark.parametrize("family", ["qwen3-qknorm", "qwen3-moe", "gemma2-softcap"])
 def test_a_random_model_of_a_family_through_the_whole_stack(family: str, tmp_path: Path) -> None:
     """Qwen3, Qwen3-MoE (a layer of experts, then a dense one) and Gemma 2 (a sliding window of 24, then a
