@@ -65,6 +65,7 @@ def endpoints(stack: Stack) -> dict[str, Any]:
 @dataclass
 class Traffic:
     ok: list[pb.Usage]  # the usage of each request that ended OK
+    streamed_latencies: float  # inter-token latencies the frontend observed for the first request
     mid_stream: Scrape  # the worker's metrics while one request ran
 
 
@@ -72,10 +73,14 @@ class Traffic:
 def traffic(stack: Stack, endpoints: dict[str, Any]) -> Traffic:
     """One streamed request, one refused, one cancelled, one past its deadline, and one prompt twice."""
     worker_metrics = endpoints["workers"][0]["metrics"]
+    latencies = "pagedserve_inter_token_latency_seconds_count"
+    before = Scrape(endpoints["frontend"]["metrics"])(latencies)
     with grpc.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         streamed = list(stub.Generate(generate_request("Name three colors.", max_tokens=12, ignore_eos=True)))
         ok = [streamed[-1].usage]
+        later = ok[0].completion_tokens - 1
+        after = eventually(endpoints["frontend"]["metrics"], lambda m: m(latencies) - before >= later)
 
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(generate_request()))  # no input
@@ -93,7 +98,7 @@ def traffic(stack: Stack, endpoints: dict[str, Any]) -> Traffic:
         for _ in range(2):
             ok.append(stub.Complete(generate_request(LONG_PROMPT, max_tokens=4, temperature=0.0)).usage)
     assert ok[-1].cached_prompt_tokens > 0, "the repeated prompt should have hit the prefix cache"
-    return Traffic(ok, mid_stream)
+    return Traffic(ok, after(latencies) - before, mid_stream)
 
 
 def test_endpoints_name_every_process(stack: Stack, endpoints: dict[str, Any]) -> None:
@@ -120,7 +125,8 @@ def test_frontend_latency_statuses_and_tokens(traffic: Traffic, endpoints: dict[
     # A first token for the three OK requests and the cancelled one; the late one may have had one.
     assert 4 <= m("pagedserve_time_to_first_token_seconds_count") <= 5
     assert 0 < m.mean("pagedserve_time_to_first_token_seconds") < 10
-    # One per token after the first: the OK requests' tokens, and at least the cancelled one's second.
+    # One per token after the first: exactly so for the first request; the cancelled one had a second.
+    assert traffic.streamed_latencies == traffic.ok[0].completion_tokens - 1 == 11
     later_tokens = sum(u.completion_tokens - 1 for u in traffic.ok) + 1
     assert m("pagedserve_inter_token_latency_seconds_count") >= later_tokens
     assert 0 < m.mean("pagedserve_inter_token_latency_seconds") < 5

@@ -128,6 +128,22 @@ def test_a_symlink_or_a_file_under_another_pages_name_is_refused(tmp_path: Path)
     assert not renamed.exists()
 
 
+@pytest.mark.parametrize(
+    ("owner", "key"), [(OWNER, b"k2"), (fingerprint("model-b", "shape"), b"k1")], ids=["key", "model"]
+)
+def test_another_pages_file_under_a_pages_name_is_refused(tmp_path: Path, owner: bytes, key: bytes) -> None:
+    """Of the same size, mode and link count: only its header says it is another page (another key's, or
+    another model's), and serving it would hand a sequence the wrong KV."""
+    tier = inline(tmp_path, 1 << 20)
+    tier.put(OWNER, page(b"k1"))
+    tier.put(owner, page(key, PAYLOAD[::-1]))
+    (ours,) = [path for path in files(tier) if PAYLOAD in path.read_bytes()]
+    (theirs,) = [path for path in files(tier) if path != ours]
+    os.replace(theirs, ours)
+    assert tier.get(OWNER, b"k1") is None
+    assert tier.counts().rejected == 1 and not ours.exists()
+
+
 def test_a_folder_others_can_enter_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "open"
     folder.mkdir(mode=0o755)

@@ -135,11 +135,12 @@ def test_a_page_flushed_while_a_prefetch_reads_it_does_not_come_back(tmp_path: P
     pool.ledger.check_invariants()
 
 
-def test_a_graceful_stop_hands_host_memory_down_to_the_disk(tmp_path: Path) -> None:
+def test_host_pages_drained_to_the_disk_serve_a_restarted_ledger(tmp_path: Path) -> None:
+    """What the daemon's graceful stop builds on (that it drains the host tier is test_kv_tiers')."""
     pool = Pool(tmp_path, pages=5, host_pages=8, disk=True)
     pool.evict_all()
     assert pool.disk is not None
-    for owner, page in pool.host.drain():  # what the daemon's close does, before the pools' own pages
+    for owner, page in pool.host.drain():
         pool.disk.put(owner, page)
     assert pool.host.counts().pages == 0 and pool.disk.counts().pages == 3
     restarted = PageLedger(

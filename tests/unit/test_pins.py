@@ -69,6 +69,20 @@ def test_a_hit_renews_every_pin_on_its_pages(ledger: PageLedger, now: list[float
     assert ledger.counts().pinned_pages == 0
 
 
+def test_a_hit_renews_each_tenants_pin_by_its_own_ttl(ledger: PageLedger, now: list[float]) -> None:
+    worker = ledger.open_lease("w", "m")
+    (page,) = cache(ledger, worker, 1, pin=PinRequest(KEYS[:1], 60, "alice"))
+    ledger.update(worker, pin=[PinRequest(KEYS[:1], 10, "bob")])
+    now[0] += 5
+    assert ledger.lookup(worker, KEYS[:1]) == [page]  # alice's pin now ends at +65 s, bob's at +15 s
+    ledger.update(worker, unref=[page])
+    now[0] += 7  # past the end of bob's pin as he made it
+    assert [tenant.tenant for tenant in ledger.counts().tenants] == ["alice", "bob"]
+    now[0] += 3.1
+    assert [tenant.tenant for tenant in ledger.counts().tenants] == ["alice"]
+    ledger.check_invariants()
+
+
 def test_a_referenced_page_whose_pin_ends_stays_in_use(ledger: PageLedger, now: list[float]) -> None:
     worker = ledger.open_lease("w", "m")
     cache(ledger, worker, 1, pin=PinRequest(KEYS[:1], 5, "alice"))
@@ -103,6 +117,11 @@ def test_budgets_bound_each_tenant_and_the_pool(ledger: PageLedger) -> None:
         ResourceExhausted, match=r"all tenants together have pinned 8 of the 8 .*--pin-share 0.5"
     ):
         ledger.check_pins("dave", 1, pool_id=3)
+    # A page pinned already costs the pool nothing: with the pool's budget spent, dave may pin one of those.
+    ledger.update(worker, pin=[PinRequest(KEYS[:1], 60, "dave")])
+    counts = ledger.counts()
+    assert (counts.pinned_pages, counts.pins_refused) == (8, 2)
+    assert ("dave", 1) in [(t.tenant, t.pinned_pages) for t in counts.tenants]
     ledger.check_invariants()
 
 

@@ -130,6 +130,11 @@ def test_what_pagedserve_does_not_do_is_unimplemented_by_name(field: str, value:
     ("change", "kind", "words"),
     [
         ({"mm_inputs": vllm_engine_pb2.MultimodalInputs(mm_hashes=["h"])}, Unimplemented, "multimodal"),
+        (
+            {"extra_mm_inputs": [vllm_engine_pb2.MultimodalInputs(mm_hashes=["h"])]},
+            Unimplemented,
+            "multimodal",
+        ),
         ({"media_refs": vllm_engine_pb2.MediaRefs()}, Unimplemented, "multimodal"),
         ({"kv_transfer_params_json": "{}"}, Unimplemented, "KV transfer"),
         (
@@ -144,11 +149,7 @@ def test_requests_pagedserve_cannot_serve_are_refused(
     change: dict[str, object], kind: type[StatusError], words: str
 ) -> None:
     bad = request()
-    for name, value in change.items():
-        if isinstance(value, str | int):
-            setattr(bad, name, value)
-        else:
-            getattr(bad, name).CopyFrom(value)
+    bad.MergeFrom(vllm_engine_pb2.GenerateRequest(**change))  # type: ignore[arg-type]
     with pytest.raises(kind, match=words):
         request_of(bad)
 
