@@ -1,12 +1,11 @@
 """The child processes of `pagedserve up`: started in order, each once healthy, restarted when they die.
 
 Each child starts only after the one it needs reports SERVING through grpc.health.v1 (the workers, which
-need only the daemon, start together), and every line a
-child prints comes out prefixed with its name. Children get SIGTERM if this process dies
-(PR_SET_PDEATHSIG, which each asks for as it starts: spawn), so none is orphaned, and run in sessions of
-their own, so that a terminal's Ctrl-C
-reaches only the launcher, which stops them in order: the frontend drains first, the daemon goes last. A
-child that dies is started again, unless it died more than RESTART_LIMIT times within a minute.
+need only the daemon, start together), and every line a child prints comes out prefixed with its name.
+Children get SIGTERM if this process dies (PR_SET_PDEATHSIG, which each asks for as it starts: spawn), so
+none is orphaned, and run in sessions of their own, so that a terminal's Ctrl-C reaches only the launcher,
+which stops them in order: the frontend drains first, the daemon goes last. A child that dies is started
+again, unless it died more than RESTART_LIMIT times within a minute.
 """
 
 from __future__ import annotations
