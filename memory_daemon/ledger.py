@@ -253,12 +253,20 @@ class PageLedger(RequestChecks):
         self._commit()
         return pages
 
-    def check_pins(self, tenant: str, pages: int, pool_id: int) -> None:
-        """Raise ResourceExhausted, naming the budget, if tenant has no room to pin `pages` more now."""
+    def check_pins(
+        self, tenant: str, pages: int, pool_id: int, model_id: str = "", keys: Sequence[bytes] = ()
+    ) -> None:
+        """Raise ResourceExhausted, naming the budget, if tenant has no room to pin `pages` more now. keys,
+        model_id's keys of some of those pages: the cached ones among them that are pinned already cost
+        less (`Pins.check`)."""
         if pages < 0:
             raise InvalidArgument(f"pages must be at least 0, got {pages}")
+        if len(keys) > pages:
+            raise InvalidArgument(f"{len(keys)} keys for {pages} pages: a key names one of the pages")
+        self._check_keys(keys)
         self._expire_pins()
-        self.pins.check(tenant, pages, pool_id)
+        cached = [page for key in keys if (page := self.index.get(model_id, key)) is not None]
+        self.pins.check(tenant, pages, pool_id, cached)
 
     def promotable(self, model_id: str, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of a chain that the lower tier holds and the pool lacks, up to where neither has one:

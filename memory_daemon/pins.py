@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from pagedserve.plumbing.errors import ResourceExhausted
@@ -48,22 +48,27 @@ class Pins:
         """How many more pages tenant may pin now."""
         return max(0, min(self.tenant_budget - self.by_tenant[tenant], self.budget - len(self)))
 
-    def check(self, tenant: str, pages: int, pool_id: int) -> None:
-        """Refuse, naming the budget, a request that would pin more pages than tenant has room for."""
+    def check(self, tenant: str, pages: int, pool_id: int, cached: Iterable[int] = ()) -> None:
+        """Refuse, naming the budget, a request that would pin more pages than tenant has room for. Of its
+        pages, those `cached` already cost the tenant nothing where it pins them (as `add` charges), and
+        the pool nothing where anyone does: a conversation that goes on renews its pins."""
         check_tenant(tenant)
-        if pages <= self.room(tenant):
-            return
+        pinned = [self._of_page.get(page, {}) for page in cached]
+        for_tenant = pages - sum(tenant in pins for pins in pinned)
+        for_pool = pages - sum(bool(pins) for pins in pinned)
         pin_share, tenant_share = self._shares
-        if self.by_tenant[tenant] + pages > self.tenant_budget:
-            held, budget = self.by_tenant[tenant], self.tenant_budget
+        if self.by_tenant[tenant] + for_tenant > self.tenant_budget:
+            held, budget, more = self.by_tenant[tenant], self.tenant_budget, for_tenant
             flag = f"--tenant-pin-share {tenant_share}"
             whose = f"tenant {tenant!r} has"
-        else:
-            held, budget, flag = len(self), self.budget, f"--pin-share {pin_share}"
+        elif len(self) + for_pool > self.budget:
+            held, budget, more, flag = len(self), self.budget, for_pool, f"--pin-share {pin_share}"
             whose = "all tenants together have"
+        else:
+            return
         raise ResourceExhausted(
             f"{whose} pinned {held} of the {budget} pages allowed in pool {pool_id} ({flag} of its pages), "
-            f"and this request would pin {pages} more: send it without cache_ttl_seconds, or wait for pins "
+            f"and this request would pin {more} more: send it without cache_ttl_seconds, or wait for pins "
             "to expire"
         )
 

@@ -130,8 +130,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def CheckPins(
         self, request: memory_pb2.CheckPinsRequest, context: grpc.aio.ServicerContext
     ) -> memory_pb2.CheckPinsResponse:
-        pool, _ = self._find(request.lease_id)
-        pool.ledger.check_pins(request.tenant, request.pages, pool.pool_id)
+        pool, lease = self._find(request.lease_id)
+        keys = list(request.keys)
+        pool.ledger.check_pins(request.tenant, request.pages, pool.pool_id, lease.model_id, keys)
         return memory_pb2.CheckPinsResponse(room=pool.ledger.pins.room(request.tenant))
 
     async def LookupPrefix(

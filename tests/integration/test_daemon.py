@@ -134,6 +134,23 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     return caught.value
 
 
+Shape, C = memory_pb2.PoolShape, grpc.StatusCode
+BAD_ATTACHES = [  # (request, status, words of its message)
+    (attach_request(shape=Shape(num_layers=5, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)),
+     C.FAILED_PRECONDITION, "model 'test-model' is registered with shape (3 layers"),
+    (attach_request(shape=Shape(num_layers=0, num_kv_heads=2, head_dim=8, dtype="float32")),
+     C.INVALID_ARGUMENT, "num_layers must be between 1 and 1024, got 0"),
+    (attach_request(shape=Shape(num_layers=2, num_kv_heads=2, head_dim=8, dtype="int8")),
+     C.INVALID_ARGUMENT, "dtype must be one of float32, float16, bfloat16, got 'int8'"),
+    (attach_request(model_id="huge", shape=OTHER_SHAPE, num_pages=10**9), C.RESOURCE_EXHAUSTED,
+     "budget is left; ask for fewer pages or start the daemon with a larger --max-memory"),
+    (attach_request(model_id="tiny", shape=OTHER_SHAPE, memory_bytes=100), C.INVALID_ARGUMENT,
+     "this registration gives 0"),
+    (attach_request(model_id=""), C.INVALID_ARGUMENT, "model_id is empty"),
+    (attach_request(device="cuda"), C.FAILED_PRECONDITION, "start the daemon with --device cuda"),
+]  # fmt: skip
+
+
 def test_bad_input_gets_a_clear_status_and_changes_nothing(
     daemon: DaemonProcess, stub: memory_pb2_grpc.MemoryDaemonStub
 ) -> None:
@@ -181,28 +198,17 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(
         ("CheckPins", CheckPins(lease_id="no-such-lease", tenant="t", pages=1), C.NOT_FOUND, "unknown lease"),
         ("CheckPins", CheckPins(lease_id=lease, tenant="t", pages=-1), C.INVALID_ARGUMENT,
          "pages must be at least 0, got -1"),
+        ("CheckPins", CheckPins(lease_id=lease, tenant="t", pages=1, keys=[b"k", b"l"]), C.INVALID_ARGUMENT,
+         "2 keys for 1 pages: a key names one of the pages"),
+        ("CheckPins", CheckPins(lease_id=lease, tenant="t", pages=1, keys=[b""]), C.INVALID_ARGUMENT,
+         "a page key must be 1 to"),
         ("CheckPins", CheckPins(lease_id=lease, tenant="t", pages=10**9), C.RESOURCE_EXHAUSTED,
          "tenant 't' has pinned 0 of the 6 pages allowed in pool 1 (--tenant-pin-share 0.1 of its pages)"),
-    ]  # fmt: skip
-    Shape = memory_pb2.PoolShape
-    bad_attaches = [
-        (attach_request(shape=Shape(num_layers=5, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)),
-         C.FAILED_PRECONDITION, "model 'test-model' is registered with shape (3 layers"),
-        (attach_request(shape=Shape(num_layers=0, num_kv_heads=2, head_dim=8, dtype="float32")),
-         C.INVALID_ARGUMENT, "num_layers must be between 1 and 1024, got 0"),
-        (attach_request(shape=Shape(num_layers=2, num_kv_heads=2, head_dim=8, dtype="int8")),
-         C.INVALID_ARGUMENT, "dtype must be one of float32, float16, bfloat16, got 'int8'"),
-        (attach_request(model_id="huge", shape=OTHER_SHAPE, num_pages=10**9), C.RESOURCE_EXHAUSTED,
-         "budget is left; ask for fewer pages or start the daemon with a larger --max-memory"),
-        (attach_request(model_id="tiny", shape=OTHER_SHAPE, memory_bytes=100), C.INVALID_ARGUMENT,
-         "this registration gives 0"),
-        (attach_request(model_id=""), C.INVALID_ARGUMENT, "model_id is empty"),
-        (attach_request(device="cuda"), C.FAILED_PRECONDITION, "start the daemon with --device cuda"),
     ]  # fmt: skip
     for method, request, code, message in bad_calls:
         error = rpc_error(lambda method=method, request=request: getattr(stub, method)(request))
         assert (error.code(), message in error.details()) == (code, True), error.details()
-    for request, code, message in bad_attaches:
+    for request, code, message in BAD_ATTACHES:
         error = rpc_error(lambda request=request: next(stub.Attach(request)).attached.lease_id)
         assert (error.code(), message in error.details()) == (code, True), error.details()
 

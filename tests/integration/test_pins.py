@@ -1,8 +1,8 @@
 """Pins and their budgets on the whole stack (`pagedserve up`, the default model, a pool of 33 pages): a
 request's cache_ttl_seconds keeps its prompt cached against other tenants' traffic and past its worker's
-SIGKILL, a tenant over its pin budget is refused with RESOURCE_EXHAUSTED naming the budget while another
-tenant's traffic runs, and a pin ends on time. The tenants are cache_salt namespaces (the frontend has no
-tokens); the daemon's books balance (`check_invariants`) throughout."""
+SIGKILL, a pinned conversation goes on, a tenant over its pin budget is refused with RESOURCE_EXHAUSTED
+naming the budget while another tenant's traffic runs, and a pin ends on time. The tenants are cache_salt
+namespaces (the frontend has no tokens); the daemon's books balance (`check_invariants`) throughout."""
 
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ def test_pins_hold_against_other_tenants_outlive_a_worker_and_end_on_time(stack:
         # Its prompt's and its output's full pages: all but the last token's KV is in the pool.
         pinned = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // PAGE
         assert pins_landed(stack, ALICE) == {ALICE: pinned} and pinned <= 6
+        pinned = her_conversation_goes_on(tenants, alice, first, pinned)
 
         bob_under_his_budget(tenants)
         assert pinned_by(stack)[ALICE] == pinned
@@ -140,6 +141,23 @@ def test_pins_hold_against_other_tenants_outlive_a_worker_and_end_on_time(stack:
         assert "all tenants together have pinned" in message and "(--pin-share 0.5 of its pages)" in message
         a_short_pin_ends_on_time(tenants)
         assert ALICE in pinned_by(stack)
+
+
+def her_conversation_goes_on(tenants: Tenants, alice: str, first: pb.GenerateResponse, pinned: int) -> int:
+    """Alice's pinned prompt again, and then with more on it, pinned again: the pages she pins already cost
+    her nothing (they once counted anew, and 6 pinned pages and the same 6 again were over her 8). Returns
+    the pages she pins now."""
+    again = tenants.complete(alice, "alice", ttl=600)
+    assert list(again.token_ids) == list(first.token_ids)
+    assert pinned_by(tenants.stack)[ALICE] == pinned
+    more = tenants.complete(alice + " Say it all again, briefly.", "alice", ttl=600)
+    # Its pages past the prompt's full pages that the first request pinned are new (the first request's
+    # output page differs from this prompt's).
+    pages = (more.usage.prompt_tokens + more.usage.completion_tokens - 1) // PAGE
+    now = pinned + pages - first.usage.prompt_tokens // PAGE
+    assert pinned < now <= TENANT_PAGES
+    wait_until(lambda: pinned_by(tenants.stack)[ALICE] == now, 10, f"alice to pin {now} pages")
+    return now
 
 
 def bob_under_his_budget(tenants: Tenants) -> None:

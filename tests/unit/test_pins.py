@@ -83,6 +83,26 @@ def test_a_hit_renews_each_tenants_pin_by_its_own_ttl(ledger: PageLedger, now: l
     ledger.check_invariants()
 
 
+def test_pages_pinned_already_cost_their_tenant_nothing_and_the_pool_nothing(ledger: PageLedger) -> None:
+    """A conversation that goes on sends its pinned prompt again, and more: only the pages it does not pin
+    yet count against its budget, and pages another tenant pins count against the pool's."""
+    worker = ledger.open_lease("w", "m")
+    cache(ledger, worker, 7, pin=PinRequest(KEYS[:3], 60, "alice"))
+    ledger.update(worker, pin=[PinRequest(KEYS[3:7], 60, "bob")])  # 7 of the pool's 8 pinned
+    ledger.check_pins("alice", 4, 1, "m", KEYS[:4])  # 3 of them hers: 1 more, her 4th
+    with pytest.raises(ResourceExhausted, match=r"has pinned 3 of the 4 pages .* would pin 2 more"):
+        ledger.check_pins("alice", 5, 1, "m", KEYS[:5])
+    with pytest.raises(ResourceExhausted, match="would pin 4 more"):
+        ledger.check_pins("alice", 4, 1)  # the same pages, unnamed
+    ledger.check_pins("carol", 4, 1, "m", KEYS[3:7])  # bob's: they cost the pool nothing
+    with pytest.raises(ResourceExhausted, match=r"all tenants together have pinned 7 of the 8 .* pin 2 more"):
+        ledger.check_pins("carol", 4, 1, "m", KEYS[5:7])
+    with pytest.raises(ResourceExhausted, match="would pin 4 more"):
+        ledger.check_pins("carol", 4, 1, "another model", KEYS[3:7])  # another model's keys name no page
+    with pytest.raises(InvalidArgument, match="2 keys for 1 pages"):
+        ledger.check_pins("carol", 1, 1, "m", KEYS[:2])
+
+
 def test_a_referenced_page_whose_pin_ends_stays_in_use(ledger: PageLedger, now: list[float]) -> None:
     worker = ledger.open_lease("w", "m")
     cache(ledger, worker, 1, pin=PinRequest(KEYS[:1], 5, "alice"))

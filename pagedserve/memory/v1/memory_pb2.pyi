@@ -169,14 +169,16 @@ class PinRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CheckPinsRequest(_message.Message):
-    __slots__ = ("lease_id", "tenant", "pages")
+    __slots__ = ("lease_id", "tenant", "pages", "keys")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     tenant: str
     pages: int
-    def __init__(self, lease_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pages: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CheckPinsResponse(_message.Message):
     __slots__ = ("room",)

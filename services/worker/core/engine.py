@@ -16,6 +16,7 @@ import itertools
 import logging
 from collections.abc import Hashable
 
+from memory_daemon.prefix import page_keys, salted_root
 from pagedserve.plumbing.errors import FailedPrecondition, ResourceExhausted, StatusError, Unimplemented
 from services.common.request import EngineRequest, ModelLimits, check_request
 from services.worker.core.cuda_graphs import DecodeGraphs
@@ -125,8 +126,12 @@ class EngineCore:
                 "this worker runs without prefix caching, so it cannot pin a request's pages: send the "
                 "request without cache_ttl_seconds"
             )
-        pages = (len(request.prompt_ids) + len(request.generated)) // self.kv.page_size
-        self.kv.check_pins(request.tenant, pages * len(self.scheduler.windows))
+        # The keys of its full pages in every group: those it pins already (a conversation that goes on)
+        # cost its tenant nothing.
+        tokens = [*request.prompt_ids, *request.generated]
+        keys = page_keys(tokens, self.kv.page_size, salted_root(request.cache_salt))
+        groups = range(len(self.scheduler.windows))
+        self.kv.check_pins(request.tenant, [group_key(key, group) for group in groups for key in keys])
 
     def _warm(self, seq: Sequence) -> None:
         """Ask the pool to bring the prompt's pages back from a lower tier before the scheduler looks them

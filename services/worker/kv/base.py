@@ -145,8 +145,9 @@ class KVCache(ABC):
                 self._submit(len(self._idle), pin=[PinRequest(list(keys), ttl_s, tenant)])
 
     @abstractmethod
-    def check_pins(self, tenant: str, pages: int) -> None:
-        """Raise ResourceExhausted, naming the budget, if tenant has no room to pin `pages` more now."""
+    def check_pins(self, tenant: str, keys: Sequence[bytes]) -> None:
+        """Raise ResourceExhausted, naming the budget, if tenant has no room to pin the pages of keys now
+        (those cached and pinned already cost less: `PageLedger.check_pins`)."""
 
     def delivered(self, mark: int) -> bool:
         """Whether the first `mark` pages this cache published have reached the pool's owner, so that a

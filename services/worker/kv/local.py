@@ -37,8 +37,8 @@ class LocalKVCache(KVCache):
     def stats(self) -> PoolCounts:
         return self.ledger.counts()
 
-    def check_pins(self, tenant: str, pages: int) -> None:
-        self.ledger.check_pins(tenant, pages, pool_id=1)
+    def check_pins(self, tenant: str, keys: Sequence[bytes]) -> None:
+        self.ledger.check_pins(tenant, len(keys), 1, self._lease_record.model_id, keys)
 
     def flush(self) -> None:
         pass  # every update is applied when it is made

@@ -175,8 +175,10 @@ class DaemonKVCache(KVCache):
         reply = self._call("PrefetchPrefix", self._stub.PrefetchPrefix, request)
         return reply.promoted, reply.cached
 
-    def check_pins(self, tenant: str, pages: int) -> None:
-        request = memory_pb2.CheckPinsRequest(lease_id=self.lease_id, tenant=tenant, pages=pages)
+    def check_pins(self, tenant: str, keys: Sequence[bytes]) -> None:
+        request = memory_pb2.CheckPinsRequest(
+            lease_id=self.lease_id, tenant=tenant, pages=len(keys), keys=keys
+        )
         try:
             self._stub.CheckPins(request, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:
