@@ -66,21 +66,29 @@ def endpoints(stack: Stack) -> dict[str, Any]:
 class Traffic:
     ok: list[pb.Usage]  # the usage of each request that ended OK
     streamed_latencies: float  # inter-token latencies the frontend observed for the first request
+    streamed_tokens: float  # tokens the worker counted as sampled for it
     mid_stream: Scrape  # the worker's metrics while one request ran
 
 
 @pytest.fixture(scope="module")
 def traffic(stack: Stack, endpoints: dict[str, Any]) -> Traffic:
     """One streamed request, one refused, one cancelled, one past its deadline, and one prompt twice."""
-    worker_metrics = endpoints["workers"][0]["metrics"]
-    latencies = "pagedserve_inter_token_latency_seconds_count"
-    before = Scrape(endpoints["frontend"]["metrics"])(latencies)
+    frontend_metrics, worker_metrics = endpoints["frontend"]["metrics"], endpoints["workers"][0]["metrics"]
+    latencies, sampled = (
+        "pagedserve_inter_token_latency_seconds_count",
+        "pagedserve_worker_generation_tokens_total",
+    )
+    latencies_before, sampled_before = Scrape(frontend_metrics)(latencies), Scrape(worker_metrics)(sampled)
     with grpc.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         streamed = list(stub.Generate(generate_request("Name three colors.", max_tokens=12, ignore_eos=True)))
         ok = [streamed[-1].usage]
-        later = ok[0].completion_tokens - 1
-        after = eventually(endpoints["frontend"]["metrics"], lambda m: m(latencies) - before >= later)
+        tokens = ok[0].completion_tokens
+        # Counted as the tokens go out, and (the worker's) in a snapshot taken after each step: may lag.
+        streamed_latencies = eventually(
+            frontend_metrics, lambda m: m(latencies) - latencies_before >= tokens - 1
+        )
+        streamed_tokens = eventually(worker_metrics, lambda m: m(sampled) - sampled_before >= tokens)
 
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(generate_request()))  # no input
@@ -98,7 +106,12 @@ def traffic(stack: Stack, endpoints: dict[str, Any]) -> Traffic:
         for _ in range(2):
             ok.append(stub.Complete(generate_request(LONG_PROMPT, max_tokens=4, temperature=0.0)).usage)
     assert ok[-1].cached_prompt_tokens > 0, "the repeated prompt should have hit the prefix cache"
-    return Traffic(ok, after(latencies) - before, mid_stream)
+    return Traffic(
+        ok,
+        streamed_latencies(latencies) - latencies_before,
+        streamed_tokens(sampled) - sampled_before,
+        mid_stream,
+    )
 
 
 def test_endpoints_name_every_process(stack: Stack, endpoints: dict[str, Any]) -> None:
@@ -153,6 +166,7 @@ def test_worker_load_kv_slots_and_tokens(traffic: Traffic, endpoints: dict[str, 
     prompts = sum(u.prompt_tokens for u in traffic.ok) + len(SHORT_IDS)
     assert m("pagedserve_worker_prompt_tokens_total") in (prompts, prompts + len(SHORT_IDS))
     generated = m("pagedserve_worker_generation_tokens_total")
+    assert traffic.streamed_tokens == traffic.ok[0].completion_tokens  # exactly: nothing else ran meanwhile
     assert generated >= sum(u.completion_tokens for u in traffic.ok) + 2
     steps = m("pagedserve_worker_engine_steps_total")
     assert steps == m("pagedserve_worker_step_seconds_count") == m("pagedserve_worker_batch_tokens_count") > 0
