@@ -81,7 +81,6 @@ class Grammars:
         self._compiled: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._bytes = 0  # the kept grammars' size
-        self.compilations = 0  # how many constraints were compiled, cache misses alone
         self.on_compile: Callable[[float], None] | None = None  # the seconds of each compile, failed or not
         # One thread: a schema that takes seconds to compile holds up neither the engine's steps nor the
         # requests without one.
@@ -117,7 +116,6 @@ class Grammars:
             if self.on_compile is not None:
                 self.on_compile(time.perf_counter() - started)
         with self._lock:
-            self.compilations += 1
             if constraint not in self._compiled:  # another thread may have compiled it meanwhile
                 self._compiled[constraint] = compiled
                 self._bytes += compiled.memory_size_bytes
