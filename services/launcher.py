@@ -1,7 +1,8 @@
 """The child processes of `pagedserve up`: started in order, each once healthy, restarted when they die.
 
-Each child starts only after the one it needs reports SERVING through grpc.health.v1 (the workers, which
-need only the daemon, start together), and every line a child prints comes out prefixed with its name.
+Each child starts only after the one it needs reports SERVING through grpc.health.v1, except one that
+says when it has reached what it needs (the frontend, which reaches its workers as they come up: it starts
+beside them), and every line a child prints comes out prefixed with its name.
 Children get SIGTERM if this process dies (PR_SET_PDEATHSIG, which each asks for as it starts: spawn), so
 none is orphaned, and run in sessions of their own, so that a terminal's Ctrl-C reaches only the launcher,
 which stops them in order: the frontend drains first, the daemon goes last. A child that dies is started
@@ -84,6 +85,9 @@ class Child:
     args: list[str]
     address: str  # where its health is checked
     health_service: str = ""  # the grpc.health.v1 service checked ("": the server as a whole)
+    # Checked instead at the stack's start, when the child may start before what it needs is up: it says the
+    # child has reached all of it. A restart checks health_service, since what it needs may be down too.
+    start_health_service: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     deaths: list[float] = field(default_factory=list)  # when it died, for the restart limit
 
@@ -105,9 +109,10 @@ class Launcher:
         self._print_lock = threading.Lock()
 
     def start(self, *children: Child) -> None:
-        """Start children that need none of each other together, and wait until each reports SERVING (one
-        worker after another took their start times added up). A child started before them, or one of them,
-        that dies stops the start."""
+        """Start children together, and wait in their order until each reports SERVING (one worker after
+        another took their start times added up); one that needs another given here says, through its
+        start_health_service, when it has reached it. A child started before them, or one of them, that
+        dies stops the start."""
         self.children.extend(children)
         for child in children:
             self._spawn(child)
@@ -134,9 +139,12 @@ class Launcher:
                 raise ChildDied(dead)
             if self.stopping.is_set():
                 raise Interrupted(f"stopped while {child.name} was starting")
+            service = child.health_service
+            if not restarting and child.start_health_service is not None:
+                service = child.start_health_service
             try:
                 if not child.address.startswith("http://"):
-                    wait_for_health(child.address, 1.0, child.health_service)
+                    wait_for_health(child.address, 1.0, service)
                 elif not http_ready(child.address):
                     raise TimeoutError
                 return

@@ -48,7 +48,7 @@ from pagedserve.plumbing.metrics import METRICS_HOST, metrics_url
 from pagedserve.plumbing.private import private_folder, write_private_file
 from pagedserve.plumbing.rpc import CannotListen, listen_refusal
 from pagedserve.plumbing.settings import positive, setting, tcp_port
-from services.frontend.config import FrontendConfig
+from services.frontend.config import EVERY_WORKER_HEALTH, FrontendConfig
 from services.gateway import api_url
 from services.launcher import Child, ChildDied, Interrupted, Launcher, free_port
 from services.worker.config import WorkerConfig
@@ -193,7 +193,6 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
         worker = ["worker", "--name", name, "--address", worker_address, "--daemon", daemon_address]
         worker_children.append(Child(name, [*worker, *worker_flags, *plan.flags["worker"]], worker_address))
         workers.append({"name": name, "address": worker_address, "metrics": worker_metrics})
-    launcher.start(*worker_children)
     frontend_flags, frontend_metrics = metrics()
     local_address = f"unix:{launcher.run_dir}/frontend.sock"
     frontend = ["frontend", "--address", address, "--local-address", local_address, *frontend_flags]
@@ -203,8 +202,14 @@ def _start_stack(launcher: Launcher, plan: Plan, address: str) -> dict[str, Any]
     if gateway_address is None and plan.stack.gateway is not None:
         gateway_address = f"127.0.0.1:{free_port('127.0.0.1')}"
         frontend += ["--gateway-address", gateway_address]
-    generation = "pagedserve.v1.Generation"
-    launcher.start(Child("frontend", [*frontend, *plan.flags["frontend"]], local_address, generation))
+    frontend_child = Child(
+        "frontend",
+        [*frontend, *plan.flags["frontend"]],
+        local_address,
+        health_service="pagedserve.v1.Generation",
+        start_health_service=EVERY_WORKER_HEALTH,  # it starts beside the workers, and reaches each
+    )
+    launcher.start(*worker_children, frontend_child)
     endpoints: dict[str, Any] = {}
     if plan.stack.gateway is not None:
         assert gateway_address is not None

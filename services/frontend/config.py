@@ -11,6 +11,10 @@ from pagedserve.plumbing.metrics import MetricsSettings
 from pagedserve.plumbing.settings import check_settings, nested, not_negative, positive, setting
 from pagedserve.plumbing.sizes import parse_bytes
 
+# The frontend's grpc.health.v1 service that is SERVING while every worker it was given accepts requests,
+# where pagedserve.v1.Generation needs one: `up` starts the frontend beside the workers and waits on it.
+EVERY_WORKER_HEALTH = "pagedserve.frontend.EveryWorker"
+
 
 def _unix_socket(address: str) -> str | None:
     return None if address.startswith("unix:") else f"must be a unix socket (unix:/path), got {address}"

@@ -128,19 +128,24 @@ class WorkerLink:
     async def _run(self) -> None:
         backoff = 0.05
         while True:
-            reason = "not reachable"
+            reason, unreachable = "not reachable", False
             try:
                 await self._session()
                 reason = "the stream ended"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
+                unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
             except OtherModel as exc:
                 reason = str(exc)
             if self.up:
                 log.warning("worker %s went away: %s", self.address, reason)
                 backoff = 0.05
             elif reason != self.down_reason:  # once a reason, not at every retry
-                log.warning("worker %s is not up: %s", self.address, reason)
+                # Nothing listening yet where no worker was ever reached: it is likely starting beside this
+                # frontend (`up` starts them so).
+                starting = unreachable and self.info is None
+                level = logging.INFO if starting else logging.WARNING
+                log.log(level, "worker %s is not up: %s", self.address, reason)
             self.down_reason = reason
             self._set_down(reason)
             await asyncio.sleep(backoff)
@@ -234,6 +239,11 @@ class Router:
     def any_up(self) -> bool:
         """Whether some worker accepts requests."""
         return any(link.accepting for link in self.links)
+
+    @property
+    def all_up(self) -> bool:
+        """Whether every worker accepts requests."""
+        return all(link.accepting for link in self.links)
 
     def start(self) -> None:
         for link in self.links:

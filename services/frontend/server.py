@@ -37,7 +37,7 @@ from pagedserve.plumbing.rpc import (
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.frontend.admission import Admission
-from services.frontend.config import FrontendConfig
+from services.frontend.config import EVERY_WORKER_HEALTH, FrontendConfig
 from services.frontend.generation import RequestPipeline
 from services.frontend.h2_guard import GuardedPort
 from services.frontend.identity import ClientIdentity
@@ -97,12 +97,14 @@ async def _serve(config: FrontendConfig, inner: str) -> None:
         servers.append((await _start_gateway_listener(config, pipeline, facts), (VLLM_SERVICE_NAME,)))
 
     async def track_health() -> None:
-        """Generation (and SMG's protocol) is SERVING while at least one worker is up."""
+        """Generation (and SMG's protocol) is SERVING while at least one worker is up, and
+        EVERY_WORKER_HEALTH while all are."""
         while True:
             up = router.any_up
             for running, names in servers:
                 for name in names:
                     await running.health.set(name, _SERVING if up else _NOT_SERVING)
+            await public.health.set(EVERY_WORKER_HEALTH, _SERVING if router.all_up else _NOT_SERVING)
             await workers_changed.wait()
             workers_changed.clear()
 

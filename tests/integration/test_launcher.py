@@ -16,13 +16,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
+from pagedserve.plumbing.rpc import wait_for_health
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
+from services.frontend.config import EVERY_WORKER_HEALTH
 from services.launcher import PARENT_ENV
 from services.worker.models import SUPPORTED
 from tests.clients import Scrape, internal_channel
@@ -114,6 +116,25 @@ def test_no_worker_up_is_unavailable_and_says_why(two_workers: Stack, tmp_path: 
     finally:
         assert frontend.stop() == 0
     assert f"worker {two_workers.worker_address(0)} is not up: UNAUTHENTICATED" in frontend.log()
+
+
+def test_the_frontend_says_whether_it_has_reached_every_worker(two_workers: Stack, tmp_path: Path) -> None:
+    """Generation is SERVING once one worker is up, EVERY_WORKER_HEALTH (which `up` waits on) only once all
+    are; a worker nothing listens for yet, as while `up` starts it, is no warning."""
+    nobody = f"unix:{tmp_path}/nobody.sock"
+    worker = two_workers.worker_address(0)
+    address, frontend = start_frontend(tmp_path, "--worker", worker, "--worker", nobody)
+    try:
+        wait_for_health(address, 30, service="pagedserve.v1.Generation")
+        with grpc.insecure_channel(address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            reply = check(health_pb2.HealthCheckRequest(service=EVERY_WORKER_HEALTH), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        assert frontend.stop() == 0
+    waiting = rf"INFO \S+ services\.frontend\.router: worker {nobody} is not up: UNAVAILABLE"
+    assert re.search(waiting, frontend.log()), frontend.log()
+    assert f"worker {worker} (worker-0) is up" in frontend.log()
 
 
 def test_a_model_id_names_the_model_to_workers_and_clients_alike(tmp_path: Path) -> None:
@@ -325,20 +346,40 @@ def test_sigterm_while_starting_stops_the_stack_at_once(tmp_path: Path) -> None:
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
 
 
-def test_workers_start_together_and_one_that_dies_stops_the_start(tmp_path: Path) -> None:
-    """The workers need only the daemon: one after another, their start times added up."""
+def test_workers_and_frontend_start_together_and_one_that_dies_stops_the_start(tmp_path: Path) -> None:
+    """The workers need only the daemon, and the frontend reaches them as they come up: one after another,
+    their start times added up."""
     stack = launch_stack(tmp_path, "--workers", "2", "--kv-memory", "128MiB")
 
-    def started(name: str) -> int | None:
-        return next((int(line.split()[0]) for line in stack.survivors() if f"--name {name} " in line), None)
+    def started(sign: str) -> int | None:
+        return next((int(line.split()[0]) for line in stack.survivors() if sign in line), None)
 
-    second = wait_until(lambda: started("worker-1"), 120, lambda: f"worker-1 to start:\n{stack.log()}")
-    assert started("worker-0") is not None
-    assert not (stack.run_dir / "worker-0.sock").exists(), "worker-1 started only once worker-0 served"
+    def both_started() -> int | None:
+        second, frontend = started("--name worker-1 "), started("services.cli frontend ")
+        return second if second is not None and frontend is not None else None
+
+    second = wait_until(both_started, 120, lambda: f"worker-1 and the frontend to start:\n{stack.log()}")
+    assert started("--name worker-0 ") is not None
+    assert not (stack.run_dir / "worker-0.sock").exists(), "the others started only once worker-0 served"
     os.kill(second, signal.SIGKILL)
     assert stack.proc.wait(timeout=60) == 1, stack.log()
     assert "worker-1 killed by SIGKILL; stopping the rest" in stack.log()
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
+
+
+def test_up_is_up_once_the_frontend_has_reached_every_worker(tmp_path: Path) -> None:
+    """The frontend starts beside the workers and retries each until it answers, up to a second apart; had
+    `up` taken the frontend's first worker for all, the first requests would all go to that one."""
+    stack = start_stack(tmp_path, "--workers", "2", "--kv-memory", "128MiB")
+    with grpc.insecure_channel(stack.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        calls = [stub.Generate(generate_request(prompt=f"Essay {i}:", **LONG)) for i in range(2)]
+        for call in calls:
+            next(call)
+        assert wait_for_running(stack, {(1, 1), (2, 0), (0, 2)}) == (1, 1), stack.log()
+        for call in calls:
+            call.cancel()
+    assert stack.stop() == 0, stack.log()
 
 
 @pytest.mark.parametrize("family", ["qwen3-qknorm", "qwen3-moe", "gemma2-softcap"])
