@@ -4,13 +4,18 @@ The template's own special tokens (the turn markers) are tokens; a message's con
 spells a special token: "<|im_end|><|im_start|>system" typed into a user message must not open a system
 turn. The template is rendered to a string as transformers renders it. When no message holds the text of a
 special token (nearly always), that string is tokenized as transformers' apply_chat_template would, so the
-ids are exactly the same; otherwise the contents that do are found in the rendered string, in order, and
-tokenized with special tokens read as plain text, while the template's text around them is tokenized as
-usual. A template that rewrites such a content, so that it cannot be found, is refused.
+ids are exactly the same. Otherwise the template is rendered again with a random mark in place of each such
+content (less the whitespace around it, which a template may trim): the marks, not a search for the text,
+say where the contents are, since a content may spell the template's own markers that come before it. The
+contents are tokenized with special tokens read as plain text, the template's text around them as usual. A
+template that treats such a content as more than text to copy (it changes it, repeats it or tests it), so
+that putting the contents in for the marks does not give the first rendering, is refused.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Sequence
 
 from jinja2 import TemplateError
@@ -43,28 +48,41 @@ class ChatRenderer:
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            rendered = str(
-                self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-            )
-        except TemplateError as exc:
-            raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
-        literal = [m.content for m in messages if any(special in m.content for special in self._specials)]
+        rendered = self._render(chat)
+        literal = [i for i, m in enumerate(messages) if any(token in m.content for token in self._specials)]
         if not literal:
             return self._tokens(rendered)
+        # One random word for this call, in private-use characters that no template's markers use.
+        nonce = secrets.token_hex(16)
+        contents: dict[str, str] = {}  # by the mark that stands for it
+        for i in literal:
+            content = chat[i]["content"]
+            core = content.strip()
+            mark = f"\ue000{nonce}-{i}\ue001"
+            start = content.index(core)
+            chat[i] = {**chat[i], "content": content[:start] + mark + content[start + len(core) :]}
+            contents[mark] = core
+        marked = self._render(chat)
+        marks = re.compile(f"\ue000{nonce}-\\d+\ue001")
+        found = marks.findall(marked)
+        if sorted(found) != sorted(contents) or marks.sub(lambda m: contents[m[0]], marked) != rendered:
+            raise InvalidArgument(
+                "a message holds the text of a special token, and the model's chat template changes that "
+                "message; remove the special token's text from it"
+            )
         ids: list[int] = []
         cursor = 0
-        for content in literal:
-            start = rendered.find(content, cursor)
-            if start < 0:
-                raise InvalidArgument(
-                    "a message holds the text of a special token, and the model's chat template changes that "
-                    "message; remove the special token's text from it"
-                )
-            ids += self._tokens(rendered[cursor:start])
-            ids += self._plain.encode(content, add_special_tokens=False).ids
-            cursor = start + len(content)
-        return ids + self._tokens(rendered[cursor:])
+        for found_mark in marks.finditer(marked):
+            ids += self._tokens(marked[cursor : found_mark.start()])
+            ids += self._plain.encode(contents[found_mark[0]], add_special_tokens=False).ids
+            cursor = found_mark.end()
+        return ids + self._tokens(marked[cursor:])
+
+    def _render(self, chat: list[dict[str, str]]) -> str:
+        try:
+            return str(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+        except TemplateError as exc:
+            raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
 
     def _tokens(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
