@@ -6,20 +6,29 @@ refused by name: multimodal inputs, KV transfer, structural tags and prompt trun
 never silent neglect. Fields that only shape the gateway's own detokenization (skip_special_tokens,
 spaces_between_special_tokens, include_stop_str_in_output) change no token, so they are the gateway's to
 apply; grammar_from_first_token changes nothing either, since pagedserve runs no reasoning parser and a
-constraint always starts at the first generated token.
+constraint always starts at the first generated token. The checks that the converted request then meets
+name pagedserve's fields; their refusals go back naming vLLM's (`in_vllm_terms`).
 """
 
 from __future__ import annotations
 
+import re
+
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from pagedserve.plumbing.errors import InvalidArgument, Unimplemented
+from pagedserve.plumbing.errors import InvalidArgument, StatusError, Unimplemented
 from pagedserve.v1 import generation_pb2
 from services.common.sampling import MAX_LOGPROBS
 
 # vLLM's unsigned fields that are pagedserve's signed ones: a value past int32's range fits no limit.
 _UINT32_TO_INT32 = ("top_k", "max_tokens", "min_tokens", "n")
 _INT32_MAX = 2**31 - 1
+# pagedserve's request fields, as a refusal names them, and vLLM's names for them.
+_VLLM_FIELDS = (
+    (re.compile(r"\bsampling\.structured\.(?=\w)"), "sampling_params."),
+    (re.compile(r"\bsampling\.(?=\w)"), "sampling_params."),
+    (re.compile(r"\bprompt_token_ids\b"), "tokenized.input_ids"),
+)
 
 
 def request_of(request: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
@@ -33,6 +42,14 @@ def request_of(request: vllm_engine_pb2.GenerateRequest) -> generation_pb2.Gener
     else:
         converted.prompt = request.text
     return converted
+
+
+def in_vllm_terms(refusal: StatusError) -> StatusError:
+    """A refusal of the converted request, naming the fields of the vLLM request that the caller sent."""
+    message = refusal.message
+    for pagedserve_field, vllm_field in _VLLM_FIELDS:
+        message = pagedserve_field.sub(vllm_field, message)
+    return StatusError.of(refusal.code, message)
 
 
 def _sampling(params: vllm_engine_pb2.SamplingParams) -> generation_pb2.SamplingParams:
@@ -86,8 +103,13 @@ def _constrain(structured: generation_pb2.StructuredOutput, params: vllm_engine_
 
 
 def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
-    if request.WhichOneof("input") is None:
-        raise InvalidArgument("the request has no input: set tokenized or text")
+    given = request.WhichOneof("input")
+    if (
+        given is None
+        or (given == "tokenized" and not request.tokenized.input_ids)
+        or (given == "text" and not request.text)
+    ):
+        raise InvalidArgument("the request has no input: set tokenized.input_ids or text to the prompt")
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
         raise Unimplemented("pagedserve serves text models: multimodal inputs are not supported")
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from pagedserve.plumbing.errors import InvalidArgument, PermissionDenied, Unimplemented
+from pagedserve.plumbing.errors import InvalidArgument, PermissionDenied, StatusError, Unimplemented
 from services.frontend import vllm_info, vllm_request
 from services.frontend.call import Call, CallFrame
 from services.frontend.generation import RequestPipeline
@@ -61,6 +61,14 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_request = 0.0
 
     async def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            await self._generate(request, context)
+        except StatusError as refusal:  # checked as pagedserve's own request: name the fields sent
+            raise vllm_request.in_vllm_terms(refusal) from None
+
+    async def _generate(
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         self._last_request = time.time()

@@ -202,6 +202,23 @@ def test_what_pagedserve_does_not_do_is_refused_by_name(vllm, ours) -> None:  # 
             list(vllm.Generate(generate(ids, True, **sampling)))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
         assert f"sampling_params.{field} is " in refused.value.details()
+    # pagedserve's own checks, as they name the fields of the vLLM request sent.
+    named = [
+        (
+            "sampling_params.temperature must be a finite number",
+            generate(ids, True, temperature=float("nan")),
+        ),
+        ("sampling_params.stop_token_ids holds", generate(ids, True, stop_token_ids=[10**6])),
+        ("sampling_params.regex does not compile", generate(ids, True, regex="(")),
+        ("tokenized.input_ids holds", generate([10**6], True)),
+        ("set tokenized.input_ids or text", generate([], True)),
+        ("set tokenized.input_ids or text", vllm_engine_pb2.GenerateRequest(request_id="r", text="")),
+    ]
+    for words, request in named:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(vllm.Generate(request))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert words in refused.value.details() and "sampling." not in refused.value.details()
 
 
 def test_model_server_and_load_facts(vllm) -> None:  # type: ignore[no-untyped-def]
