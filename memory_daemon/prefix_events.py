@@ -9,8 +9,13 @@ stored in the pool again (and stays in the tier), and one a tier lets go leaves 
 may be stored on disk). A
 model's numbers count up by one from the daemon's start time in microseconds, so a restarted daemon's
 always number above an old one's, and its first batch says that nothing is cached (cleared).
-A new subscriber (after 0) first gets the whole state as one batch, numbered as the last: cleared, then every
-cached page, parents before children. One that names the last batch it has gets the batches after it from
+A new subscriber (after 0) first gets the whole state, numbered up to the last batch: cleared, then every
+cached page, parents before children. A batch holds at most about MAX_BATCH_BYTES of changes on the wire: a
+larger set of changes (a flush, a restart's disk tier) is committed as consecutively numbered batches, and a
+larger state goes out in parts numbered consecutively up to the last batch, so that a gateway that checks
+each number follows one after another (SMG reads a message of 4 MiB at most). One that goes away partway
+through the parts of the state resumes from the history, and knows fewer pages than are cached until it
+subscribes from 0 again. One that names the last batch it has gets the batches after it from
 the history, or OutOfRange when the history no longer holds them (another daemon's numbers, or too old):
 it must drop what it knows and subscribe from 0. One that falls MAX_BEHIND batches behind gets DataLoss,
 with the same remedy. These are the statuses SMG's gateway acts on.
@@ -21,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedserve.plumbing.errors import DataLoss, OutOfRange
 
 HISTORY_BATCHES = 4096
 MAX_BEHIND = 4096
+MAX_BATCH_BYTES = 1 << 20  # a quarter of what SMG's client reads in one message (tonic's default)
 
 
 # A cached page's medium: the daemon's pool (device memory), the host-memory tier, or the disk tier.
@@ -113,21 +119,25 @@ class ModelEvents:
     def commit(self) -> None:
         if not self._pending:
             return
-        self.sequence += 1
-        batch = Batch(self.sequence, self._clock(), tuple(self._pending))
+        for part in _parts(self._pending):
+            self.sequence += 1
+            batch = Batch(self.sequence, self._clock(), part)
+            self._history.append(batch)
+            for subscriber in list(self.subscribers):  # offer may drop one
+                subscriber.offer(batch)
         self._pending.clear()
-        self._history.append(batch)
-        for subscriber in list(self.subscribers):  # offer may drop one
-            subscriber.offer(batch)
 
-    def snapshot(self) -> Batch:
-        """The whole state, numbered as the last batch: what a subscriber holds once it has it."""
-        return Batch(self.sequence, self._clock(), (Cleared(), *self._live.values()))
+    def snapshot(self) -> list[Batch]:
+        """The whole state, in parts numbered up to the last batch: what a subscriber holds once it has
+        them."""
+        parts = _parts((Cleared(), *self._live.values()))
+        first, now = self.sequence - len(parts) + 1, self._clock()
+        return [Batch(first + i, now, part) for i, part in enumerate(parts)]
 
     def subscribe(self, after: int) -> Subscription:
         """The batches after `after` (the whole state, for 0), then each new one."""
         if not after:
-            backlog = [self.snapshot()]
+            backlog = self.snapshot()
         elif self._history[0].sequence <= after + 1 and after <= self.sequence:
             backlog = [batch for batch in self._history if batch.sequence > after]
         else:
@@ -138,3 +148,26 @@ class ModelEvents:
         subscription = Subscription(self, backlog)
         self.subscribers.add(subscription)
         return subscription
+
+
+def _parts(changes: Sequence[Change]) -> list[tuple[Change, ...]]:
+    """changes, in order, cut into batches of at most about MAX_BATCH_BYTES on the wire."""
+    parts: list[tuple[Change, ...]] = []
+    start, size = 0, 0
+    for i, change in enumerate(changes):
+        cost = _wire_bytes(change)
+        if i > start and size + cost > MAX_BATCH_BYTES:
+            parts.append(tuple(changes[start:i]))
+            start, size = i, 0
+        size += cost
+    return [*parts, tuple(changes[start:])]
+
+
+def _wire_bytes(change: Change) -> int:
+    """No less than what a change takes in a batch on the wire, the daemon's or SMG's: a token id takes at
+    most 5 bytes, a key at most itself (SMG's hash of it 10) with its tag and length, and the rest 32."""
+    if isinstance(change, Stored):
+        return len(change.key) + len(change.parent) + 5 * len(change.token_ids) + 32
+    if isinstance(change, Removed):
+        return len(change.key) + 16
+    return 4

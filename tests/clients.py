@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import urllib.request
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,9 +47,9 @@ class _WithSecret(
     intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
 
 
-def internal_channel(address: str) -> grpc.Channel:
+def internal_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """A channel to a daemon or worker, carrying the shared secret."""
-    return grpc.intercept_channel(grpc.insecure_channel(address), _WithSecret())
+    return grpc.intercept_channel(grpc.insecure_channel(address, list(options)), _WithSecret())
 
 
 def pool_counts(daemon_address: str) -> PoolCounts:

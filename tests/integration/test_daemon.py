@@ -219,6 +219,40 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(
     wait_until(lambda: pool_counts(stub).settled, 5.0, lambda: f"the pool to settle: {pool_counts(stub)}")
 
 
+def test_a_large_cached_state_reaches_a_watcher_that_reads_messages_of_4_mib(run_dir: Path) -> None:
+    """SMG reads a message of 4 MiB at most, and the state of 80,000 cached pages takes more as one batch:
+    it comes in parts, numbered one after another up to the last batch, and the next batch follows on."""
+    pages = 80_000
+    daemon = start_daemon(run_dir, "--pool-memory", f"{(pages + 1024) * SHAPE.page_bytes}")
+    agent = KVAgent(daemon.address, "many", num_pages=pages + 1024)
+    try:
+        held = agent("allocate", n=pages)
+        assert agent("publish", pages=held, tokens=list(range(pages * SHAPE.page_size))) == pages
+        with internal_channel(daemon.address, [("grpc.max_receive_message_length", 4 * 2**20)]) as channel:
+            stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+            request = memory_pb2.WatchPrefixIndexRequest(model_id="test-model", after_sequence=0)
+            stream = stub.WatchPrefixIndex(request, timeout=60)
+            parts = [next(stream)]
+            while sum(len(part.changes) for part in parts) < pages + 1:  # a clear, then every page
+                parts.append(next(stream))
+            last = parts[-1].sequence
+            assert [part.sequence for part in parts] == list(range(last - len(parts) + 1, last + 1))
+            assert parts[0].changes[0].cleared and len(parts) > 1
+            stored = {change.stored.key for part in parts for change in part.changes if change.stored.key}
+            assert len(stored) == pages
+            (more,) = agent("allocate", n=1)  # one page more: the next batch, numbered on
+            agent(
+                "publish",
+                pages=[more],
+                tokens=list(range(pages * SHAPE.page_size, (pages + 1) * SHAPE.page_size)),
+            )
+            assert next(stream).sequence == last + 1
+            stream.cancel()
+    finally:
+        agent.kill()
+        assert daemon.stop() == 0, daemon.log()
+
+
 def test_a_daemon_removes_files_a_dead_daemon_left(run_dir: Path) -> None:
     shm_dir = Path(tempfile.mkdtemp(prefix="pagedserve-test-", dir="/dev/shm"))
     stale = shm_dir / "pagedserve-kv-999999999-1.bin"

@@ -234,7 +234,8 @@ def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Pat
     assert changes() == [("Stored", 0, POOL)]
     ledger.grant(lease, 2)  # evicts page 2 (the oldest idle), whose file pushes page 1's off the disk
     assert changes() == [("Removed", 2, POOL), ("Removed", 1, DISK), ("Stored", 2, DISK)]
-    state = [(keys.index(c.key), c.medium) for c in events.snapshot().changes if isinstance(c, Stored)]
+    (snapshot,) = events.snapshot()
+    state = [(keys.index(c.key), c.medium) for c in snapshot.changes if isinstance(c, Stored)]
     assert sorted(state) == [(0, DISK), (0, POOL), (2, DISK)]
     ledger.check_invariants()
 
@@ -243,7 +244,8 @@ def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Pat
         pages,
         tier=PoolTier(None, inline(tmp_path, 2 * page_file), ShmPageCopier(memory, SHAPE, pages), SHAPE),
     )
-    kept = [c for c in again.events_of("m").snapshot().changes if isinstance(c, Stored)]
+    (snapshot,) = again.events_of("m").snapshot()
+    kept = [c for c in snapshot.changes if isinstance(c, Stored)]
     assert [(keys.index(c.key), c.medium, c.parent, c.token_ids) for c in kept] == [
         (0, DISK, b"", (0, 1, 2, 3)),
         (2, DISK, keys[1], (8, 9, 10, 11)),

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from smg_grpc_proto.generated import common_pb2
 
+from memory_daemon import prefix_events
 from memory_daemon.ledger import PageLedger
 from memory_daemon.prefix import Published, salted_root
 from memory_daemon.prefix_events import DISK, HOST, MAX_BEHIND, Batch, Cleared, ModelEvents, Removed, Stored
@@ -137,3 +138,36 @@ def test_a_gateway_reads_each_medium_as_its_kv_cache_tier() -> None:
     host = common_pb2.KV_CACHE_TIER_HOST
     assert tiers == [(device, "pool"), (disk, "disk"), (host, "host")] * 2
     assert events[1].stored.blocks[0].block_hash == block_hash(KEYS[0]) == events[4].removed.block_hashes[0]
+
+
+def test_many_changes_and_a_large_state_go_out_in_batches_a_gateway_reads_one_after_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flush, or a restart's disk tier, changes more pages than SMG reads in one message: each batch is
+    bounded on the wire, the daemon's and SMG's, and the numbers run on without a gap."""
+    monkeypatch.setattr(prefix_events, "MAX_BATCH_BYTES", 2000)
+    events = ModelEvents()
+    keys = [i.to_bytes(16, "little") for i in range(1, 121)]
+    stored = [Stored(key, keys[i - 1] if i else b"", tuple(range(i, i + 16))) for i, key in enumerate(keys)]
+    removed = [Removed(key) for key in keys[60:]]
+    subscription = events.subscribe(events.sequence)
+    first = events.sequence + 1
+    for change in stored:
+        events.stored(change)
+    events.commit()
+    for change in removed:
+        events.removed(change.key)
+    events.commit()
+    batches = [asyncio.run(subscription.next()) for _ in range(subscription._queue.qsize())]
+    assert [batch.sequence for batch in batches] == list(range(first, first + len(batches)))
+    assert [change for batch in batches for change in batch.changes] == [*stored, *removed]
+    state = drain(events, 0)
+    assert [part.sequence for part in state] == list(
+        range(events.sequence - len(state) + 1, events.sequence + 1)
+    )
+    assert [change for part in state for change in part.changes] == [Cleared(), *stored[:60]]
+    assert len(batches) > 4 and len(state) > 2
+    smg = NodeCache("unix:/nowhere", None, list)
+    for batch in (*batches, *state):
+        wire = batch_to_pb(batch)
+        assert max(wire.ByteSize(), smg._to_smg(wire, 16).ByteSize()) <= prefix_events.MAX_BATCH_BYTES
