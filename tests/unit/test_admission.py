@@ -172,6 +172,24 @@ def test_negative_priority_goes_first() -> None:
     assert run(scenario) == ["minus", "zero", "plus"]
 
 
+def test_waiters_of_different_clients_enter_by_priority_then_arrival() -> None:
+    async def scenario() -> list[str]:
+        admission = Admission(max_running=1, max_waiting=4, client_share=1.0)
+        entered: list[str] = []
+        holder = Gate(admission, client="holder")
+        await settle()
+        tasks = []
+        for name, priority, client in (("a", 1, "a"), ("b", 1, "b"), ("c", 0, "c"), ("a-again", 1, "a")):
+            tasks.append(enqueue(admission, entered, name, priority, client))
+            await settle()
+        holder.open()
+        await asyncio.gather(holder.task, *tasks)
+        assert_idle(admission)
+        return entered
+
+    assert run(scenario) == ["c", "a", "b", "a-again"]
+
+
 def test_released_slot_passes_down_the_queue() -> None:
     async def scenario() -> list[str]:
         admission = Admission(max_running=2, max_waiting=4)

@@ -200,12 +200,29 @@ def test_refill_follows_recent_consumption() -> None:
         now[0] += 1.0
         busy_pages = ledger.refill(busy, need=0, consumed=100, idle=0)
         quiet_pages = ledger.refill(quiet, need=0, consumed=2, idle=0)
-    assert 95 <= len(busy_pages) <= 100
+    assert len(busy_pages) == 100  # 100 * (1 - 0.5**10) pages a second, rounded up
     assert len(quiet_pages) == 8
     assert busy.refill.pages == len(busy_pages)
     # A worker still holding idle pages is only topped up.
     now[0] += 1.0
     assert len(ledger.refill(busy, need=0, consumed=100, idle=60)) == busy.refill.pages - 60
+    # The rate is per second and forgets by half each half-life, whatever the calls' spacing: 100 pages in
+    # half a second (200 a second) move it 1 - 0.5**0.5 of the way from ~100, and two quiet seconds leave
+    # a quarter of that.
+    now[0] += 0.5
+    assert len(ledger.refill(busy, need=0, consumed=100, idle=0)) == 130  # 99.95 + 0.293 * 100.05
+    now[0] += 2.0
+    assert len(ledger.refill(busy, need=0, consumed=0, idle=0)) == 33  # 129.25 / 4
+    ledger.check_invariants()
+
+
+def test_a_refill_tops_up_the_workers_idle_pages_and_counts_them_idle() -> None:
+    """What a worker holds idle decides whom the daemon asks for pages when it runs short."""
+    ledger = PageLedger(65, refill=RefillSettings(min_pages=8, max_pages=8))
+    worker = ledger.open_lease("w", "m")
+    pages = ledger.refill(worker, need=0, consumed=0, idle=3)
+    assert pages is not None and len(pages) == 5
+    assert [usage.idle_pages for usage in ledger.counts().workers] == [8]
     ledger.check_invariants()
 
 

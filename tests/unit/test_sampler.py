@@ -532,12 +532,15 @@ VOCAB = 49152
 
 
 def test_a_bias_moves_the_argmax_and_the_logprobs_stay_raw() -> None:
-    logits = torch.zeros(2, 10)
-    logits[:, 3] = 1.0
-    options = SamplingOptions(temperature=0.0, logprobs=1, logit_bias=((7, 5.0), (3, -5.0)))
+    """A bias is added to the logit (vLLM's meaning), not put in its place: 7 gains 5 and passes 3, which
+    loses 1; 8 gains 5 too but stays below 3 (as the bias alone, 8 would tie with 7)."""
+    logits = torch.zeros(3, 10)
+    logits[:, 3], logits[:, 7], logits[:, 8] = 1.0, -2.0, -4.5
+    options = SamplingOptions(temperature=0.0, logprobs=1, logit_bias=((7, 5.0), (3, -1.0)))
+    held = SamplingOptions(temperature=0.0, logit_bias=((8, 5.0),))
     seqs = [make_seq(options, key="biased"), make_seq(SamplingOptions(temperature=0.0), key="free")]
-    samples = sample(logits, seqs, EOS)
-    assert samples.token_ids == [7, 3]
+    samples = sample(logits, [*seqs, make_seq(held, key="held")], EOS)
+    assert samples.token_ids == [7, 3, 3]
     raw = torch.log_softmax(logits[0], dim=-1)
     assert samples.logprobs[0] is not None and abs(samples.logprobs[0].logprob - float(raw[7])) < 1e-6
 
@@ -581,13 +584,17 @@ def test_a_grammar_masks_its_row_alone_and_a_dead_end_is_reported(tokenizer: Pre
         assert choice.grammar.accept(samples.token_ids[0])
         choice.tokens.append(samples.token_ids[0])
     assert choice.tokens[-1] in EOS and tokenizer.decode(choice.output_ids[:-1]) in constraint.choices
-    # A grammar whose only next token is EOS, with min_tokens holding EOS back: no token fits.
-    ended = make_seq(SamplingOptions(temperature=0.0, min_tokens=9, structured=constraint), key="ended")
-    ended.grammar = Grammars(tokenizer, VOCAB, EOS).state(constraint)
-    for token in tokenizer.encode("yes"):
-        assert ended.grammar.accept(token)
-        ended.tokens.append(token)
-    assert sample(torch.randn(2, VOCAB), [ended, free], EOS).dead_ends == {0}
+    # A grammar whose only next token is EOS, with min_tokens holding EOS back: no token fits. With
+    # ignore_eos too, since EOS still ends a constrained row.
+    ended = []
+    for ignore_eos in (False, True):
+        options = SamplingOptions(temperature=0.0, min_tokens=9, ignore_eos=ignore_eos, structured=constraint)
+        ended.append(make_seq(options, key=f"ended {ignore_eos}"))
+        ended[-1].grammar = Grammars(tokenizer, VOCAB, EOS).state(constraint)
+        for token in tokenizer.encode("yes"):
+            assert ended[-1].grammar.accept(token)
+            ended[-1].tokens.append(token)
+    assert sample(torch.randn(3, VOCAB), [*ended, free], EOS).dead_ends == {0, 1}
 
 
 def test_masks_filled_ahead_sample_as_masks_filled_inline(tokenizer: PreTrainedTokenizerBase) -> None:
