@@ -7,8 +7,8 @@ with its sequence number. A page is a block: its hash is the first 8 bytes of it
 content; a page of a salted prompt is not announced. Each block names its tier: DEVICE for the daemon's
 pool, HOST for its host-memory tier, DISK for its disk tier (a page may be in several). When the daemon
 goes away the stream ends with UNAVAILABLE and the gateway subscribes again from its last sequence number,
-which a restarted daemon refuses with OUT_OF_RANGE: the gateway then drops what it knew of this node and
-starts over from the whole state.
+which a restarted daemon refuses with OUT_OF_RANGE: a gateway must then drop what it knew of this node and
+start over from the whole state (SMG 1.13 does not: it asks again from the same number, each time).
 
 A worker's pages are cached under its kv_namespace, the model and the precision that computed them; the events
 are those of the first serving worker's namespace (one stream has one sequence of numbers), and a flush
