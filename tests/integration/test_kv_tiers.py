@@ -59,13 +59,16 @@ def daemons(run_dir: Path) -> Iterator[list[DaemonProcess]]:
         daemon.kill()
 
 
-def publish_prompt(daemon: DaemonProcess, device: str = "cpu") -> None:
-    """An agent writes the prompt's three pages (values 1, 2, 3), publishes them and goes away."""
+def publish_prompt(
+    daemon: DaemonProcess, device: str = "cpu", prompt: list[int] = PROMPT, first: int = 1
+) -> None:
+    """An agent writes the prompt's three pages (values first, first + 1, first + 2), publishes them and goes
+    away."""
     writer = KVAgent(daemon.address, "writer", num_pages=POOL_PAGES, device=device)
     pages = writer("allocate", n=3)
-    for value, page in enumerate(pages, start=1):
+    for value, page in enumerate(pages, start=first):
         writer("write", pages=[page], value=float(value))
-    assert writer("publish", tokens=PROMPT, pages=pages) == 3
+    assert writer("publish", tokens=prompt, pages=pages) == 3
     writer("free", pages=pages)
     assert writer.close() == 0
 
@@ -79,11 +82,11 @@ def evict_everything(daemon: DaemonProcess, device: str = "cpu") -> None:
     assert hog.close() == 0
 
 
-def looked_up(daemon: DaemonProcess, device: str = "cpu") -> list[float | None]:
+def looked_up(daemon: DaemonProcess, device: str = "cpu", prompt: list[int] = PROMPT) -> list[float | None]:
     """What a fresh agent finds for the prompt (and a token past it): each found page's value."""
     reader = KVAgent(daemon.address, "reader", num_pages=POOL_PAGES, device=device)
     try:
-        found = reader("lookup", tokens=[*PROMPT, 99])
+        found = reader("lookup", tokens=[*prompt, 99])
         return reader("read", pages=found)  # type: ignore[return-value]
     finally:
         reader.close()
@@ -160,6 +163,27 @@ def media_of_prompt(daemon: DaemonProcess) -> dict[str, set[int]]:
 
 
 TWO_PAGES = str(2 * SHAPE.page_bytes)
+
+
+def test_a_graceful_stop_short_of_disk_keeps_the_pages_used_last(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    """Room on disk for three pages. Host memory holds two of the prompt, evicted from the pool, and the pool
+    holds a newer prompt's three. A SIGTERM writes host memory's pages first, then the pool's, and the disk
+    drops its oldest files for new ones: the next daemon finds the pool's pages, the ones used last."""
+    flags = ("--kv-host-memory", TWO_PAGES, "--kv-disk-size", str(3 * (SHAPE.page_bytes + 200)))
+    daemons.append(start(run_dir, disk, *flags))
+    publish_prompt(daemons[0])
+    evict_everything(daemons[0])  # two of its pages in host memory, the third on disk
+    newer = [100 + token for token in PROMPT]
+    publish_prompt(daemons[0], prompt=newer, first=4)
+    assert daemons[0].stop() == 0
+    assert len(list(disk.glob("*.kvpage"))) == 3
+    again = tmp_path / "again"
+    again.mkdir(mode=0o700)
+    daemons.append(start(again, disk, *flags))
+    assert looked_up(daemons[1]) == []
+    assert looked_up(daemons[1], prompt=newer) == [4.0, 5.0, 6.0]
 
 
 def test_evicted_pages_go_to_host_memory_then_on_to_disk_and_come_back_from_either(
