@@ -233,8 +233,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         return {medium: tier.counts() for medium, tier in tiers.items() if tier is not None}
 
     def close(self) -> None:
-        """A graceful stop: the host tier's pages and then the pools' cached pages go to the disk tier
-        (what waited first), so that the next daemon on it serves them; then the pools go."""
+        """A graceful stop: the host tier's pages and then the pools' cached pages go to the disk tier, so
+        that the next daemon on it serves them; then the pools go. The pools' pages, used last, go last: a
+        disk short of room drops its oldest files for them."""
         if self._disk is not None:
             self._disk.close()
             try:
