@@ -108,8 +108,11 @@ LEVELS = {
 def cflags(target: str) -> list[str]:
     """-ffast-math vectorizes exp and the reductions (the kernels read only slots that hold written, finite
     values). at::parallel_for is OpenMP inlined from torch's headers: without -fopenmp it runs on one thread.
-    The library it links is libgomp.so.1, the one torch has loaded already."""
-    return ["-O3", f"-march={target}", "-ffast-math", "-fopenmp"]
+    The library it links is libgomp.so.1, the one torch has loaded already. -mno-recip keeps vector
+    divisions exact: -ffast-math otherwise turns them into an estimate and a Newton step, vrcp14ps in a
+    16-lane loop and the coarser vrcpps in its 8-lane tail, so a SiLU gate's product came out a bfloat16
+    step apart by where in its row it fell (seen on a Zen 4)."""
+    return ["-O3", f"-march={target}", "-ffast-math", "-mno-recip", "-fopenmp"]
 
 
 def kernels_dir() -> Path:

@@ -76,11 +76,14 @@ inline float round_to(float v) {
 }
 
 // silu(gate) * up as transformers computes it in T: the activation rounded to T, then the product (gate and
-// up already T's values). exp's argument stops at 88, below float32's overflow: -ffast-math's division by
-// infinity gave NaN for a gate below -88.7, where silu is -0 to float32's precision anyway.
+// up already T's values). The gate stops at -88, where exp(-gate) is just below float32's overflow:
+// -ffast-math's division by infinity gave NaN for a gate below -88.7, and stopping exp's argument alone
+// left gate / e^88, which is far from silu's -0 for a gate like -1e30. Below -88, silu is under 2e-36
+// either way (0 where the vectorized exp rounds e^88 up to infinity).
 template <typename T>
 inline T silu_mul(float gate, float up) {
-  return from_float<T>(round_to<T>(gate / (1.0f + std::exp(std::min(-gate, 88.0f)))) * up);
+  const float g = std::max(gate, -88.0f);
+  return from_float<T>(round_to<T>(g / (1.0f + std::exp(-g))) * up);
 }
 
 // Vectors: kLanes consecutive elements, read unaligned ----------------------------------------------------
