@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             level: text_requests(spec.name, args.requests, chat, spec.output_len, seed=args.seed + i)
             for i, level in enumerate(levels)
         }
-    metrics = list(args.metrics) + _worker_metrics(args.endpoints)
+    endpoints = _endpoints(args.endpoints, args.wait)
+    metrics = list(args.metrics) + _worker_metrics(endpoints)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     runs: list[dict] = []
     records = {}
@@ -149,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             # Cold caches for each run: a pagedserve node may be loaded twice (directly and behind a
             # gateway), and a rerun of the bench sends the same prompts.
             for node in nodes:
-                said = asyncio.run(_flush(node, nodes, args.endpoints))
+                said = asyncio.run(_flush(node, nodes, endpoints))
                 print(f"{node}'s prefix cache: {said}", file=sys.stderr, flush=True)
             recs = asyncio.run(
                 _measure(address, args.model, requests, concurrency, sampler, f"{name} {level:g}", connection)
@@ -246,10 +248,10 @@ async def _measure(
         return await drive(requests, send, concurrency=concurrency, label=label)
 
 
-async def _flush(node: str, nodes: list[str], endpoints: Path | None) -> str:
+async def _flush(node: str, nodes: list[str], endpoints: dict) -> str:
     """Flush node's prefix cache through its stack's gateway listener, which endpoints.json names (the
     public port refuses FlushCache to every client)."""
-    frontend = json.loads(endpoints.read_text())["frontend"] if endpoints else {}
+    frontend = endpoints.get("frontend", {})
     listener = frontend.get("gateway_address")
     if listener is None or (frontend["address"] != node and len(nodes) > 1):
         return (
@@ -259,11 +261,25 @@ async def _flush(node: str, nodes: list[str], endpoints: Path | None) -> str:
     return await flush_prefix_cache(listener)
 
 
-def _worker_metrics(endpoints: Path | None) -> list[str]:
-    if endpoints is None:
-        return []
-    described = json.loads(endpoints.read_text())
-    return [worker["metrics"] for worker in described.get("workers", []) if worker.get("metrics")]
+def _endpoints(path: Path | None, wait_s: float) -> dict:
+    """endpoints.json's contents, {} without --endpoints. `pagedserve up` writes it once every process is
+    up, which can be after the frontend answers a first request: a file not there yet is waited for, as
+    long as --wait allows."""
+    if path is None:
+        return {}
+    deadline = time.monotonic() + wait_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not path.exists():
+        raise SystemExit(
+            f"pagedserve bench: error: --endpoints {path} does not exist: `pagedserve up --run-dir DIR` "
+            "writes DIR/endpoints.json once its stack is up (--wait SECONDS waits for it)"
+        )
+    return json.loads(path.read_text())
+
+
+def _worker_metrics(endpoints: dict) -> list[str]:
+    return [worker["metrics"] for worker in endpoints.get("workers", []) if worker.get("metrics")]
 
 
 def _baselines(

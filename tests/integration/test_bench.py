@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,3 +84,35 @@ def test_sessions_of_several_turns_find_their_history_cached(stack: Stack, tmp_p
     summary = run["summary"]
     assert 0.3 < ideal < 0.8
     assert summary["cached_prompt_tokens"] / summary["prompt_tokens"] == pytest.approx(ideal)
+
+
+def test_an_endpoints_file_up_has_not_written_yet_is_waited_for(stack: Stack, tmp_path: Path) -> None:
+    """`pagedserve up` writes endpoints.json once every process is up, which can be after the frontend
+    answers: a bench started beside `up` waits for the file within --wait, reads the worker's metrics it
+    names (the KV samples), and says so plainly where it never comes."""
+    late = tmp_path / "run" / "endpoints.json"
+    late.parent.mkdir()
+    command = [sys.executable, "-m", "services.cli", "bench", "--address", stack.address,
+               "--requests", "2", "--concurrency", "2", "--input-len", "8-16", "--output-len", "2-4",
+               "--seed", "23"]  # fmt: skip
+    waiting = subprocess.Popen(
+        [*command, "--endpoints", str(late), "--wait", "60", "--out", str(tmp_path / "late")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )  # fmt: skip
+    # Long enough for the bench to have started, reached the frontend and looked for the file (about 3 s
+    # here): without the wait it fails by then, reading a file that is not there.
+    time.sleep(10)
+    assert waiting.poll() is None
+    late.write_text((stack.run_dir / "endpoints.json").read_text())
+    output, _ = waiting.communicate(timeout=300)
+    assert waiting.returncode == 0, output
+    (run,) = json.loads((tmp_path / "late" / "bench.json").read_text())["runs"]
+    check_run(run, 2)
+    assert run["kv"]["kv_fragmentation_samples"] > 0  # the metrics that the file names were read
+
+    never = subprocess.run(
+        [*command, "--endpoints", str(tmp_path / "absent.json"), "--wait", "1", "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert never.returncode != 0
+    assert "absent.json does not exist" in never.stderr and "Traceback" not in never.stderr
