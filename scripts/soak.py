@@ -7,7 +7,8 @@ private folder, with a fresh shared secret so that it can ask the daemon and the
 Client threads send the public API a mix of requests: greedy and sampled, with stop strings and stop tokens,
 priorities, logprobs, cancelled, past their deadline, and bad inputs. Each kind has the final gRPC statuses it
 may end with; any other, UNAVAILABLE included (with failover no client sees a worker die), is an error. Every
---kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn; `up` restarts it. Just before,
+--kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn, once the frontend has reached
+both again (its pagedserve.frontend.EveryWorker health); `up` restarts it. Just before,
 two greedy and two seeded probe calls start, and the kill waits until each is streaming. After the traffic,
 every greedy or seeded call (probes, and the greedy, sampled and stops kinds) that a kill came during, as it
 came during every call that moved, is rerun on the quiet stack: it must give the same tokens.
@@ -59,15 +60,27 @@ from pagedserve.plumbing.private import check_unix_peer
 from pagedserve.plumbing.rpc import wait_for_health
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import default_model_dir
+from services.frontend.config import EVERY_WORKER_HEALTH
 from services.launcher import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kill_loop(run_dir: Path, every_s: float, kills: list[dict], before: Callable[[int], None],
+def kill_loop(run_dir: Path, address: str, every_s: float, kills: list[dict], before: Callable[[int], None],
               stop: threading.Event, t0: float) -> None:  # fmt: skip
-    """SIGKILL worker-0, then worker-1, and so on, every every_s seconds, each after before(kill number)."""
+    """SIGKILL worker-0, then worker-1, and so on, every every_s seconds, each once the frontend at address
+    has reached every worker again and after before(kill number). A kill while the last one's worker is
+    still starting would leave none up, where UNAVAILABLE is the right answer: on a loaded machine a
+    restart took 43 s, past a --kill-every of 40."""
     while not stop.wait(every_s):
+        while not stop.is_set():
+            try:
+                wait_for_health(address, 5.0, service=EVERY_WORKER_HEALTH)
+                break
+            except TimeoutError:
+                continue
+        if stop.is_set():
+            return
         before(len(kills))
         name = f"worker-{len(kills) % 2}"
         pids = [pid for pid, role in stack_processes(run_dir).items() if role == name]
@@ -185,7 +198,8 @@ def soak(args: argparse.Namespace, stack: Stack, endpoints: dict, secret: str, r
     loops += [(client_loop, (address, args.seed + i, done)) for i in range(args.concurrency)]
     probes: list[threading.Thread] = []
     probe = functools.partial(start_probes, address, done, args.seed + 1000, t0, probes)
-    loops += [(kill_loop, (run_dir, args.kill_every, report["kills"], probe))] if args.kill_every > 0 else []
+    kill = (run_dir, address, args.kill_every, report["kills"], probe)
+    loops += [(kill_loop, kill)] if args.kill_every > 0 else []
     threads = [threading.Thread(target=loop, args=(*rest, stop, t0), daemon=True) for loop, rest in loops]
     for thread in threads:
         thread.start()
