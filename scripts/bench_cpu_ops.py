@@ -10,7 +10,10 @@
 3. Paged decode attention in bfloat16 over SmolLM2-135M's 30 layers' pools (3 KV heads of 64, 9 query heads,
    480 tokens a sequence on pages of 16 scattered over the pool): the C++ op with its keys scored in float32
    and, where this CPU runs it, with vdpbf16ps; ms for the 30 layers and the K and V bytes read a second.
-4. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
+4. Paged prefill attention in bfloat16, SmolLM2-135M's shape, prompts of 512 new tokens (1 and 4 of them) on
+   pages of 16: the C++ op with float32 sums, with vdpbf16ps products where this CPU runs them, and on AMX's
+   tiles where they run; ms for 30 layers.
+5. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
    the torch reference backend against the C++ one, median step time.
 Machines are noisy: compare the ratios within one run.
 """
@@ -113,6 +116,28 @@ def bench_decode_attention(ops: ModuleType, rows: list[int], dot_bf16: bool) -> 
         print(f"| {n} | {' | '.join(cells)} |")
 
 
+def bench_prefill_attention(ops: ModuleType, dot_bf16: bool, amx: bool) -> None:
+    page_size, kv_heads, group, dim, prompt = 16, 3, 3, 64, 512
+    ways = {"float32 sums": (False, False)}
+    if dot_bf16:
+        ways["vdpbf16ps"] = (True, False)
+    if dot_bf16 and amx:
+        ways["AMX tiles"] = (True, True)
+    names = " | ".join(f"{name} ms" for name in ways)
+    print(f"\n| prompts of {prompt} | {names} |\n|---|{'---|' * len(ways)}")
+    for n in (1, 4):
+        pages = n * prompt // page_size
+        kv = torch.randn(2, pages, page_size, kv_heads, dim).bfloat16()
+        tables = torch.randperm(pages).view(n, pages // n)
+        lens, starts = torch.full((n,), prompt), torch.arange(n + 1) * prompt
+        q = torch.randn(n * prompt, kv_heads * group, dim).bfloat16()
+        cells = []
+        for flags in ways.values():
+            args = (q, kv, tables, lens, starts, dim**-0.5, 0, 0.0, None, *flags)
+            cells.append(f"{1e3 * 30 * seconds(lambda a=args: ops.paged_prefill(*a), 10):.1f}")
+        print(f"| {n} | {' | '.join(cells)} |")
+
+
 def decode_step_ms(model: CausalLM, sequences: int, steps: int = 20) -> float:
     spec = model.spec
     kv = LocalKVCache(spec.pool_shape("float32", 16), 2048)
@@ -163,7 +188,9 @@ def main() -> int:
     print(f"{torch.get_num_threads()} threads\n")
     bench_gemms(ops, rows)
     bench_experts(ops, rows)
-    bench_decode_attention(ops, rows, cpu_features().avx512_bf16.usable)
+    features = cpu_features()
+    bench_decode_attention(ops, rows, features.avx512_bf16.usable)
+    bench_prefill_attention(ops, features.avx512_bf16.usable, features.amx_bf16.usable)
     bench_steps({"torch": TorchBackend(), "cpu": CpuBackend(ops)}, rows)
     return 0
 

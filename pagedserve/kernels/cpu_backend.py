@@ -401,7 +401,7 @@ class CpuBackend(TorchBackend):
                 meta.query_start[n:] - n,
             ),
             *(layer.scale, layer.window, layer.softcap, sinks),
-            self._amx_attention,
+            *(self._dot_bf16, self._amx_attention),
         )
         return out
 

@@ -1,8 +1,8 @@
 """The C++ CPU attention (decode and prefill) and mixture of experts against the torch reference, on fresh
 random float32 and bfloat16 inputs: every slot the attention must not read (pages nobody owns, the rest of
 each sequence's last page, the keys before a window) holds NaN. bfloat16 inputs are compared with the
-reference's float32 math on the same values: the ops sum in float32 and round their output once (the AMX
-prefill also multiplies bfloat16 weights, P, as FlashAttention does), within bfloat16's tolerance."""
+reference's float32 math on the same values: the ops sum in float32 and round their output once (the
+bfloat16 prefill's products take P as two bfloat16 halves), within bfloat16's tolerance."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_float32_queries_over_a_bfloat16_pool_match_the_reference(
 ) -> None:
     """--kv-cache-dtype bfloat16 under a float32 model: decodes and prefill chunks read the narrower pool and
     compute in float32, so they agree with float32 math on the pool's values to float32's tolerance (and the
-    AMX prefill, which multiplies bfloat16 queries, does not take them)."""
+    bfloat16 prefill's products, which multiply bfloat16 queries, do not take them)."""
     chunks = [(0, 37), (23, 50), (0, 1)]
     actuals, expected = run_attention(
         page_size + head_dim,
@@ -180,10 +180,10 @@ def test_prefill_windows_softcaps_and_sinks_read_nothing_before_the_window(
 @pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window"])
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 def test_bfloat16_prefills_of_many_key_steps_match_the_reference(head_dim: int, windowed: bool) -> None:
-    """Where AMX runs, the prefill takes keys 128 at a time: chunks over several such steps, heads of one,
-    three and eight of its 32-column tiles, a window whose first key lies past the first step (so the keys
-    it copies start there), and a task of 16 tokens across a step's edge, whose rows before it see none of
-    the next step's keys."""
+    """Where the CPU multiplies bfloat16 pairs, the prefill takes keys 128 at a time: chunks over several
+    such steps, heads of one, three and eight of 32 columns (a tile's, or a vector of pairs'), a window whose
+    first key lies past the first step (so the keys it copies start there), and a task of 16 tokens across a
+    step's edge, whose rows before it see none of the next step's keys."""
     layer = LayerAttention(head_dim**-0.5, window=100 if windowed else 0)
     chunks = [(150, 150), (0, 260), (290, 5)]
     actuals, expected = run_attention(head_dim, [77], chunks, 32, head_dim, 3, torch.bfloat16, layer)
@@ -191,29 +191,46 @@ def test_bfloat16_prefills_of_many_key_steps_match_the_reference(head_dim: int, 
         assert_close(actual, expected, torch.bfloat16)
 
 
-def test_the_amx_prefill_rounds_as_the_float32_path_does() -> None:
-    """Where AMX runs, the prefill's tiles multiply P as two bfloat16 halves, so that its output before the
-    last rounding is the float32 path's to float32's: the same bfloat16 but where a value lies at a rounding
-    boundary (0.09% of them here), and never further than a step of bfloat16 at its row's scale. P rounded
-    once to bfloat16 was within bfloat16's tolerance, yet it moved a real model's greedy token at a near-tie;
-    emulated in float64 on these inputs, it changes 17% of the outputs."""
+def bfloat16_prefill_paths() -> dict[str, tuple[bool, bool]]:
+    """paged_prefill's last two arguments (dot_bf16, amx) for each way of multiplying bfloat16 pairs that this
+    CPU was seen to run."""
     found = cpu_features()
-    if not (found.amx_bf16.usable and found.avx512_bf16.usable):  # no tiles here: one path only
-        assert not CpuBackend(OPS, found)._amx_attention
+    paths = {"vdpbf16ps": (True, False)} if found.avx512_bf16.usable else {}
+    if found.avx512_bf16.usable and found.amx_bf16.usable:
+        paths["tiles"] = (True, True)
+    return paths
+
+
+def test_the_bfloat16_prefill_products_round_as_the_float32_path_does() -> None:
+    """Where this CPU runs AVX512-BF16 (and AMX's tiles, where they run), a bfloat16 prefill's two products
+    multiply bfloat16 pairs, P as two bfloat16 halves, so that the output before the last rounding is the
+    float32 path's to float32's: the same bfloat16 but where a value lies at a rounding boundary (0.09% of
+    them here, on the tiles), and never further than a step of bfloat16 at its row's scale. P rounded once to
+    bfloat16 was within bfloat16's tolerance, yet it moved a real model's greedy token at a near-tie;
+    emulated in float64 on these inputs, it changes 17% of the outputs. The backend takes the fastest of
+    them."""
+    found = cpu_features()
+    ways = bfloat16_prefill_paths()
+    if not ways:  # no bfloat16 products here: one path only
+        assert not CpuBackend(OPS, found)._dot_bf16
         return
     gen = generator(5)
     page_size, head_dim = 32, 64
     first, second = random_tables(gen, [600, 100], page_size)
-    tables = torch.tensor([first, second + (0,) * (len(first) - len(second))])
     kv = random_pool(gen, page_size, head_dim, torch.bfloat16)[0] * 4  # scores of a few units, as a model's
     q = fused_qkv(gen, 400, 3 * KV_HEADS, head_dim, torch.bfloat16)[0].contiguous()
-    starts = torch.tensor([0, 300, 400])  # 300 new tokens after 300 cached, and a prompt of 100
-    args = (q, kv, tables, torch.tensor([600, 100]), starts, head_dim**-0.5, 0, 0.0, None)
-    tiles, sums = OPS.paged_prefill(*args, True), OPS.paged_prefill(*args, False)
+    # 300 new tokens after 300 cached, and a prompt of 100
+    meta = make_metadata([], [Chunk(first, 300, 300), Chunk(second, 0, 100)], page_size)
+    args = (q, kv, meta.block_tables, meta.seq_lens, meta.query_start, head_dim**-0.5, 0, 0.0, None)
+    sums = OPS.paged_prefill(*args, False, False)
     scale = sums.float().abs().amax(-1, keepdim=True).clamp(min=2**-20)  # each query head's output's
     step = 2.0 ** (torch.floor(torch.log2(scale)) - 7)  # bfloat16's there
-    assert ((tiles.float() - sums.float()).abs() <= step).all()
-    assert (tiles != sums).float().mean() < 0.01
+    outputs = {name: OPS.paged_prefill(*args, *flags) for name, flags in ways.items()}
+    for name, products in outputs.items():
+        assert ((products.float() - sums.float()).abs() <= step).all(), name
+        assert (products != sums).float().mean() < 0.01, name
+    backend = CpuBackend(OPS, found).paged_attention(q, kv, meta, LayerAttention(head_dim**-0.5))
+    assert torch.equal(backend, outputs["tiles" if "tiles" in outputs else "vdpbf16ps"])
 
 
 @pytest.mark.parametrize("kind", ["plain", "window", "softcap", "sinks", "all"])
@@ -315,14 +332,14 @@ def test_a_table_naming_a_page_outside_the_pool_is_refused() -> None:
             OPS.paged_decode(query, kv, torch.tensor([[9]]), torch.tensor([3]), 1.0, 0, 0.0, None, True)
     starts, lens = torch.tensor([0, 1]), torch.tensor([3])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        OPS.paged_prefill(q, kv_layer, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None, False)
-    if cpu_features().amx_bf16.usable:  # the keys copied for AMX's tiles: bfloat16, a head of 32
+        OPS.paged_prefill(q, kv_layer, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None, False, False)
+    for flags in bfloat16_prefill_paths().values():  # the keys copied for them: bfloat16, a head of 32
         kv, query = (
             torch.zeros(2, 4, 8, 1, 32, dtype=torch.bfloat16),
             torch.zeros(1, 1, 32, dtype=torch.bfloat16),
         )
         with pytest.raises(RuntimeError, match="outside the pool"):
-            OPS.paged_prefill(query, kv, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None, True)
+            OPS.paged_prefill(query, kv, torch.tensor([[-1]]), lens, starts, 1.0, 0, 0.0, None, *flags)
 
 
 @pytest.mark.parametrize(
@@ -343,7 +360,7 @@ def test_prefill_lengths_that_do_not_fit_are_refused(
     assert OPS is not None
     with pytest.raises(RuntimeError, match=message):
         OPS.paged_prefill(
-            q, kv_layer, tables, torch.tensor(lens), torch.tensor(starts), 1.0, 0, 0.0, None, False
+            q, kv_layer, tables, torch.tensor(lens), torch.tensor(starts), 1.0, 0, 0.0, None, False, False
         )
 
 

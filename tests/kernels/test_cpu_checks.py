@@ -83,6 +83,7 @@ def prefill_args() -> Args:
         "window": 0,
         "softcap": 0.0,
         "sinks": torch.zeros(HQ),
+        "dot_bf16": False,
         "amx": False,
     }
 

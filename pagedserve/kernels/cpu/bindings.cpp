@@ -12,7 +12,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tabl
                         int64_t window, double softcap, std::optional<at::Tensor> sinks, bool dot_bf16);
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens,
                          at::Tensor query_start, double scale, int64_t window, double softcap,
-                         std::optional<at::Tensor> sinks, bool amx);
+                         std::optional<at::Tensor> sinks, bool dot_bf16, bool amx);
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
                                             std::optional<at::Tensor> residual);
 std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin);

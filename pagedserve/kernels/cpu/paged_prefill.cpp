@@ -1,7 +1,7 @@
 // Paged prefill attention on the CPU: each sequence's chunk of new query tokens attends causally to its
 // cached prefix and to itself, reading K and V where they lie in the pool's pages, in float32 whatever the
-// pool's dtype (but for the AMX path below, whose products take bfloat16), in the manner of FlashAttention: a
-// running max and sum a query row, so no [n, L] score matrix.
+// pool's dtype (but for the bfloat16 path below, whose products take bfloat16), in the manner of
+// FlashAttention: a running max and sum a query row, so no [n, L] score matrix.
 //
 // q [N, Hq, D]: the chunks one after another, sequence s's rows q[query_start[s]:query_start[s + 1]], at the
 // positions seq_lens[s] - n_s .. seq_lens[s] - 1. kv_layer [2, P, B, Hkv, D], block_tables [S, W], seq_lens
@@ -13,9 +13,10 @@
 // few vectors of FMAs with no horizontal sums. The tasks go to the threads by their cost (a causal chunk's
 // last block sees the most keys), longest first.
 //
-// Where AMX runs and both the queries and the pool are bfloat16, AmxBlock takes the tasks instead: its two
-// products run on the tiles, on each (sequence, KV head)'s keys copied once into their operands' layout
-// (below).
+// Where both the queries and the pool are bfloat16 and the CPU runs AVX512-BF16, Bf16Block takes the tasks
+// instead: its two products multiply bfloat16 pairs, with vdpbf16ps or on AMX's tiles where they run, on each
+// (sequence, KV head)'s keys copied once into their operands' layout (below). On a Zen 4, vdpbf16ps took the
+// attention of 4 prompts of 512 through SmolLM2's 30 layers from 509 to 195 ms (scripts/bench_cpu_ops.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -210,22 +211,26 @@ class Block {
 };
 
 #if defined(__x86_64__)
-// With AMX and a bfloat16 pool, the two products of each key tile run on the tiles (amx.h): S = Q K^T and
-// acc += P V, in float32 sums of bfloat16 products. Q, K and V are bfloat16 already, so only P would round:
-// it is split into a bfloat16 and the bfloat16 of what that leaves (P = hi + lo to about 16 bits), and both
-// halves are multiplied, so that the output is what the float32 path computes, to float32's rounding. (With P
-// rounded once, as FlashAttention does on a GPU, a build's last bits moved SmolLM2's first token at a near-tie
-// of its chat prompt, 'The' -1.88 against 'L' -1.97 in float32.)
+// Where the queries and the pool are both bfloat16 and the CPU multiplies bfloat16 pairs (AVX512-BF16, and
+// AMX's tiles where they run), Bf16Block takes the tasks: its two products, S = Q K^T and acc += P V, are
+// float32 sums of bfloat16 products, on the tiles or with vdpbf16ps. Q, K and V are bfloat16 already, so only
+// P would round: it is split into a bfloat16 and the bfloat16 of what that leaves (P = hi + lo to about 16
+// bits), and both halves are multiplied, so that the output is what the float32 path computes, to float32's
+// rounding. (With P rounded once, as FlashAttention does on a GPU, a build's last bits moved SmolLM2's first
+// token at a near-tie of its chat prompt, 'The' -1.88 against 'L' -1.97 in float32.)
 //
-// A tile product takes its right operand with pairs of consecutive k side by side, so each (sequence, KV
+// Both products take their right operand with pairs of consecutive k side by side, so each (sequence, KV
 // head)'s keys are first copied once into that form (Operands): K as [D / 2, keys, 2] (pairs of dims) and V
 // as [keys / 2, D, 2] (pairs of keys), every key outside [first key seen, length) zero, so that a slot never
-// read stays unread. The softmax runs on AVX-512 between the products, up to kAmxKeys keys a row at a time.
-constexpr int64_t kAmxKeys = 128;  // keys a step: four of P's tiles of 32 columns
+// read stays unread. The softmax runs on AVX-512 between the products, up to kStepKeys keys a row at a time.
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+constexpr int64_t kStepKeys = 128;  // keys a step: four of P's tiles of 32 columns
+constexpr int64_t kVectorRows = 4;  // rows the vdpbf16ps products take at a time: 16 registers of sums
 
 // e^x for x <= 0 (and lanes of -inf-like values): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
 // r^6 (relative error below 2e-7), times 2^n.
-AMX_TARGET inline __m512 exp_nonpositive(__m512 x) {
+BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
   const __m512 n =
       _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
@@ -238,17 +243,24 @@ AMX_TARGET inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The bfloat16 pair at p (two consecutive values) in every 32-bit lane: a row's operand for vdpbf16ps.
+BF16_TARGET inline __m512bh broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 struct Operands {
   std::vector<uint16_t> k, v;  // bfloat16 bits: [D / 2, keys, 2] and [keys / 2, D, 2]
-  int64_t base = 0, keys = 0;  // key positions [base, base + keys), base a multiple of kAmxKeys
+  int64_t base = 0, keys = 0;  // key positions [base, base + keys), base a multiple of kStepKeys
 };
 
 // Sequence positions [lo, len) of KV head h into o; the rest of o's keys zero.
 void gather_operands(const bf16* k_data, const bf16* v_data, const int64_t* table, const Shape& s, int64_t lo,
                      int64_t len, int64_t h, Operands& o) {
   const int64_t dim = s.dim, row_stride = s.kv_heads * dim;
-  o.base = lo / kAmxKeys * kAmxKeys;
-  o.keys = (len - o.base + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  o.base = lo / kStepKeys * kStepKeys;
+  o.keys = (len - o.base + kStepKeys - 1) / kStepKeys * kStepKeys;
   o.k.assign(dim * o.keys, 0);
   o.v.assign(o.keys * dim, 0);
   for (int64_t pos = lo; pos < len; ++pos) {
@@ -262,19 +274,21 @@ void gather_operands(const bf16* k_data, const bf16* v_data, const int64_t* tabl
   }
 }
 
-class AmxBlock {
+class Bf16Block {
  public:
-  explicit AmxBlock(const Shape& shape) : s_(shape) {}
+  // tiles: the products run on AMX's tiles, of which the thread has configured 8 (amx::Tiles); else on vdpbf16ps.
+  Bf16Block(const Shape& shape, bool tiles) : s_(shape), tiles_(tiles) {}
 
-  // One task, as Block::run, its keys from o; the thread has configured 8 tiles (amx::Tiles).
-  AMX_TARGET void run(const bf16* q, const Operands& o, int64_t cached, const Task& task, const float* sinks,
-                      bf16* out) {
+  // One task, as Block::run, its keys from o.
+  BF16_TARGET void run(const bf16* q, const Operands& o, int64_t cached, const Task& task, const float* sinks,
+                       bf16* out) {
     const int64_t group = s_.group, rows = task.count * group, dim = s_.dim;
-    const int64_t padded = (rows + amx::kRows - 1) / amx::kRows * amx::kRows, token_stride = s_.q_heads * dim;
+    const int64_t rows_at_once = tiles_ ? amx::kRows : kVectorRows, token_stride = s_.q_heads * dim;
+    const int64_t padded = (rows + rows_at_once - 1) / rows_at_once * rows_at_once;
     q_.assign(padded * dim, 0);
     acc_.assign(padded * dim, 0.0f);
-    probs_.assign(2 * padded * kAmxKeys, 0);  // P's high halves, then its low ones; rows past `rows` stay zero
-    scores_.resize(padded * kAmxKeys);
+    probs_.assign(2 * padded * kStepKeys, 0);  // P's high halves, then its low ones; rows past `rows` stay zero
+    scores_.resize(padded * kStepKeys);
     top_.resize(rows);
     sum_.resize(rows);
     for (int64_t i = 0; i < task.count; ++i) {
@@ -286,15 +300,23 @@ class AmxBlock {
       }
     }
     const int64_t first_pos = cached + task.first, last_pos = first_pos + task.count - 1;
-    for (int64_t k0 = first_key(first_pos, s_.window) / kAmxKeys * kAmxKeys; k0 <= last_pos; k0 += kAmxKeys) {
-      const int64_t keys = std::min(kAmxKeys, last_pos + 1 - k0);  // those any row of the task sees
-      score(o, k0 - o.base, keys, padded);
+    for (int64_t k0 = first_key(first_pos, s_.window) / kStepKeys * kStepKeys; k0 <= last_pos; k0 += kStepKeys) {
+      const int64_t keys = std::min(kStepKeys, last_pos + 1 - k0);  // those any row of the task sees
+      if (tiles_) {
+        score_tiles(o, k0 - o.base, keys, padded);
+      } else {
+        score_vectors(o, k0 - o.base, keys, padded);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t p = first_pos + r / group;
         const int64_t lo = std::max<int64_t>(first_key(p, s_.window) - k0, 0), hi = std::min(p + 1 - k0, keys);
         update(r, lo, hi);
       }
-      accumulate(o, k0 - o.base, keys, padded);
+      if (tiles_) {
+        accumulate_tiles(o, k0 - o.base, keys, padded);
+      } else {
+        accumulate_vectors(o, k0 - o.base, keys, padded);
+      }
     }
     for (int64_t i = 0; i < task.count; ++i) {
       for (int64_t g = 0; g < group; ++g) {
@@ -309,7 +331,7 @@ class AmxBlock {
  private:
   // scores_ = Q K^T for the `keys` keys at o's index j0 on: 64 keys at a time in tiles 0-3 (a chain of sums
   // each, so that one product need not wait on the last), Q in tile 4, K in 5 and 6.
-  AMX_TARGET void score(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+  AMX_TARGET void score_tiles(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
     const int64_t dim = s_.dim;
     for (int64_t r0 = 0; r0 < padded; r0 += amx::kRows) {
       for (int64_t c = 0; c < keys; c += 64) {
@@ -336,24 +358,50 @@ class AmxBlock {
             _tile_dpbf16ps(3, 4, 6);
           }
         }
-        float* to = scores_.data() + r0 * kAmxKeys + c;
-        _tile_stored(0, to, kAmxKeys * 4);
-        if (chunks > 1) _tile_stored(1, to + 16, kAmxKeys * 4);
-        if (chunks > 2) _tile_stored(2, to + 32, kAmxKeys * 4);
-        if (chunks > 3) _tile_stored(3, to + 48, kAmxKeys * 4);
+        float* to = scores_.data() + r0 * kStepKeys + c;
+        _tile_stored(0, to, kStepKeys * 4);
+        if (chunks > 1) _tile_stored(1, to + 16, kStepKeys * 4);
+        if (chunks > 2) _tile_stored(2, to + 32, kStepKeys * 4);
+        if (chunks > 3) _tile_stored(3, to + 48, kStepKeys * 4);
+      }
+    }
+  }
+
+  // score_tiles() with vdpbf16ps: kVectorRows rows and 64 keys at a time, each vector of K's pairs loaded once
+  // for the rows. A step's 128 keys lie inside o's, so a vector past `keys` reads zeros or keys no row sees.
+  BF16_TARGET void score_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+    const int64_t dim = s_.dim;
+    for (int64_t r0 = 0; r0 < padded; r0 += kVectorRows) {
+      for (int64_t c = 0; c < keys; c += 64) {
+        __m512 sums[kVectorRows][4];
+        for (auto& row : sums) {
+          for (__m512& sum : row) sum = _mm512_setzero_ps();
+        }
+        for (int64_t pair = 0; pair < dim / 2; ++pair) {
+          const uint16_t* k = o.k.data() + (pair * o.keys + j0 + c) * 2;
+          __m512bh key[4];
+          for (int v = 0; v < 4; ++v) key[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+          for (int64_t i = 0; i < kVectorRows; ++i) {
+            const __m512bh query = broadcast_pair(q_.data() + (r0 + i) * dim + 2 * pair);
+            for (int v = 0; v < 4; ++v) sums[i][v] = _mm512_dpbf16_ps(sums[i][v], query, key[v]);
+          }
+        }
+        for (int64_t i = 0; i < kVectorRows; ++i) {
+          for (int v = 0; v < 4; ++v) _mm512_storeu_ps(scores_.data() + (r0 + i) * kStepKeys + c + 16 * v, sums[i][v]);
+        }
       }
     }
   }
 
   // Row r's running max, sum and output rescaled after its scores against the step's keys [lo, hi), and its
   // weights in probs_ as their two halves (zero outside [lo, hi)), 16 keys a vector.
-  AMX_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
-    uint16_t* high = probs_.data() + r * kAmxKeys;
+  BF16_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
+    uint16_t* high = probs_.data() + r * kStepKeys;
     uint16_t* low = high + probs_.size() / 2;
-    std::fill_n(high, kAmxKeys, 0);
-    std::fill_n(low, kAmxKeys, 0);
+    std::fill_n(high, kStepKeys, 0);
+    std::fill_n(low, kStepKeys, 0);
     if (lo >= hi) return;  // this token sees none of the step's keys
-    float* row = scores_.data() + r * kAmxKeys;
+    float* row = scores_.data() + r * kStepKeys;
     if (s_.softcap > 0.0f) {
       for (int64_t j = lo; j < hi; ++j) row[j] = s_.softcap * std::tanh(row[j] * s_.scale / s_.softcap) / s_.scale;
     }
@@ -389,7 +437,7 @@ class AmxBlock {
 
   // acc_ += probs_ V for the `keys` keys at o's index j0 on (32 a step): 64 columns of the sums at a time in
   // tiles 0-3, P's high half in tile 4 and its low half in 7, V in 5 and 6.
-  AMX_TARGET void accumulate(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+  AMX_TARGET void accumulate_tiles(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
     const int64_t dim = s_.dim;
     for (int64_t r0 = 0; r0 < padded; r0 += amx::kRows) {
       for (int64_t d0 = 0; d0 < dim; d0 += 64) {
@@ -402,8 +450,8 @@ class AmxBlock {
           _tile_loadd(3, acc + 48, dim * 4);
         }
         for (int64_t c = 0; c < keys; c += 32) {
-          _tile_loadd(4, probs_.data() + r0 * kAmxKeys + c, kAmxKeys * 2);
-          _tile_loadd(7, probs_.data() + probs_.size() / 2 + r0 * kAmxKeys + c, kAmxKeys * 2);
+          _tile_loadd(4, probs_.data() + r0 * kStepKeys + c, kStepKeys * 2);
+          _tile_loadd(7, probs_.data() + probs_.size() / 2 + r0 * kStepKeys + c, kStepKeys * 2);
           const uint16_t* v = o.v.data() + ((j0 + c) / 2 * dim + d0) * 2;
           _tile_loadd(5, v, dim * 4);
           _tile_dpbf16ps(0, 4, 5);
@@ -430,18 +478,55 @@ class AmxBlock {
     }
   }
 
+  // accumulate_tiles() with vdpbf16ps: kVectorRows rows and 64 columns (2 or 4 vectors of 16) at a time, a
+  // pair of keys a step. Keys past `keys` weigh zero in probs_.
+  BF16_TARGET void accumulate_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+    for (int64_t r0 = 0; r0 < padded; r0 += kVectorRows) {
+      for (int64_t d0 = 0; d0 < s_.dim; d0 += 64) {
+        if (s_.dim - d0 >= 64) {
+          accumulate_vectors<4>(o, j0, keys, r0, d0);
+        } else {
+          accumulate_vectors<2>(o, j0, keys, r0, d0);  // a head of 32, 96, ...: its last 32 columns
+        }
+      }
+    }
+  }
+
+  template <int kVecs>
+  BF16_TARGET void accumulate_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t r0, int64_t d0) {
+    const int64_t dim = s_.dim;
+    const uint16_t* high = probs_.data() + r0 * kStepKeys;
+    const uint16_t* low = high + probs_.size() / 2;
+    __m512 sums[kVectorRows][kVecs];
+    for (int64_t i = 0; i < kVectorRows; ++i) {
+      for (int v = 0; v < kVecs; ++v) sums[i][v] = _mm512_loadu_ps(acc_.data() + (r0 + i) * dim + d0 + 16 * v);
+    }
+    for (int64_t j = 0; j < keys; j += 2) {
+      const uint16_t* pairs = o.v.data() + ((j0 + j) / 2 * dim + d0) * 2;
+      __m512bh value[kVecs];
+      for (int v = 0; v < kVecs; ++v) value[v] = (__m512bh)_mm512_loadu_si512(pairs + 32 * v);
+      for (int64_t i = 0; i < kVectorRows; ++i) {
+        const __m512bh p_high = broadcast_pair(high + i * kStepKeys + j), p_low = broadcast_pair(low + i * kStepKeys + j);
+        for (int v = 0; v < kVecs; ++v) {
+          sums[i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sums[i][v], p_high, value[v]), p_low, value[v]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < kVectorRows; ++i) {
+      for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(acc_.data() + (r0 + i) * dim + d0 + 16 * v, sums[i][v]);
+    }
+  }
+
   const Shape s_;
+  const bool tiles_;
   std::vector<uint16_t> q_, probs_;
   std::vector<float> acc_, scores_, top_, sum_;
 };
 
-// Whether the AMX path takes this layer: bfloat16 queries over a bfloat16 pool, heads a whole number of Q's
-// 32-column tiles.
-bool amx_takes(const at::Tensor& q, const at::Tensor& kv_layer, int64_t dim) {
-  const bool bf16_both = q.scalar_type() == at::kBFloat16 && kv_layer.scalar_type() == at::kBFloat16;
-  if (!bf16_both || dim % 32 != 0) return false;
-  TORCH_CHECK(amx::request_tiles(), "AMX's tiles were asked for, but the kernel does not grant this process them");
-  return true;
+// Whether Bf16Block takes this layer: bfloat16 queries over a bfloat16 pool, heads a whole number of Q's
+// 32-column tiles (of vdpbf16ps's 32-value vectors).
+bool bf16_takes(const at::Tensor& q, const at::Tensor& kv_layer, int64_t dim) {
+  return q.scalar_type() == at::kBFloat16 && kv_layer.scalar_type() == at::kBFloat16 && dim % 32 == 0;
 }
 #endif
 
@@ -465,7 +550,7 @@ void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables, 
 
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens,
                          at::Tensor query_start, double scale, int64_t window, double softcap,
-                         std::optional<at::Tensor> sinks, bool amx) {
+                         std::optional<at::Tensor> sinks, bool dot_bf16, bool amx) {
   check(q, kv_layer, block_tables, seq_lens, query_start, sinks);
   const int64_t seqs = block_tables.size(0), width = block_tables.size(1);
   const Shape shape{kv_layer.size(2), kv_layer.size(3), kv_layer.size(1), q.size(2), q.size(1) / kv_layer.size(3),
@@ -500,7 +585,9 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tab
     return ((start_of[task.seq] + task.first) * shape.q_heads + task.head * shape.group) * shape.dim;
   };
 #if defined(__x86_64__)
-  if (amx && amx_takes(q, kv_layer, shape.dim)) {  // the output is bfloat16 as q is
+  if (dot_bf16 && bf16_takes(q, kv_layer, shape.dim)) {  // the output is bfloat16 as q is
+    TORCH_CHECK(!amx || amx::request_tiles(),
+                "AMX's tiles were asked for, but the kernel does not grant this process them");
     auto out = at::empty_like(q);
     const bf16* q_data = q.data_ptr<bf16>();
     bf16* out_data = out.data_ptr<bf16>();
@@ -515,9 +602,10 @@ at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tab
                         i % shape.kv_heads, operands[i]);
       }
     });
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) AMX_TARGET {
-      const amx::Tiles tiles(8);
-      AmxBlock block(shape);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      std::optional<amx::Tiles> tiles;
+      if (amx) tiles.emplace(8);
+      Bf16Block block(shape, amx);
       for (int64_t thread = begin; thread < end; ++thread) {
         for (const Task& task : share[thread]) {
           const int64_t n = start_of[task.seq + 1] - start_of[task.seq];
