@@ -232,10 +232,18 @@ STACKS: list[Stack] = []  # every stack the tests started, so that a failed test
 def free_port() -> int:
     """A port nothing listens on, from below the kernel's ephemeral range: one it hands out for a bind to 0
     could go to another process (a worker's metrics port, a client's connection) before the test's process
-    binds it, and CI once saw a frontend refused its port so."""
+    binds it, and CI once saw a frontend refused its port so. Under pytest-xdist each test process draws from
+    its own slice of that range: two drawing from all of it could both probe the same port free before either
+    stack bound it."""
     low = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 0
+    first, end = FIRST_TEST_PORT, low
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and count:
+        width = (low - FIRST_TEST_PORT) // int(count)
+        first += int(worker.removeprefix("gw")) * width
+        end = first + width
     while True:
-        port = random.randrange(FIRST_TEST_PORT, low) if low > FIRST_TEST_PORT + 1000 else 0
+        port = random.randrange(first, end) if end > first + 500 else 0
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))

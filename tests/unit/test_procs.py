@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.cores import share
-from tests.procs import EPHEMERAL_PORTS, free_port, terminate
+from tests.procs import EPHEMERAL_PORTS, FIRST_TEST_PORT, free_port, terminate
 
 DEAF = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('deaf', flush=True); "
@@ -42,6 +42,16 @@ def test_a_free_port_is_below_the_ephemeral_range_and_free() -> None:
     for port in ports:
         with socket.socket() as mine:
             mine.bind(("127.0.0.1", port))
+
+
+def test_two_xdist_workers_draw_free_ports_from_disjoint_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    drawn = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        drawn.append({free_port() for _ in range(100)})
+    low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    assert min(drawn[0]) >= FIRST_TEST_PORT and max(drawn[0]) < min(drawn[1]) and max(drawn[1]) < low
 
 
 @pytest.mark.parametrize(
