@@ -5,10 +5,10 @@ are int8 or float8.
 The torch reference gathers every decoding sequence's pages into a copy, every layer, every step, and
 zeroes the stale tail of each last page so that a masked softmax cannot meet a NaN; on a CPU that costs
 more than the attention itself. `pagedserve/kernels/cpu/paged_decode.cpp` and `paged_prefill.cpp` read each K
-and V row where it lies, only up to the sequence's length; where AMX runs and the queries and the pool are
-bfloat16, the prefill's two products run on its tiles. `pagedserve/kernels/cpu/elementwise.cpp` does
-RMSNorm (with the residual add), rotary and the SiLU gate in one pass each, where torch makes a temporary for
-every operator.
+and V row where it lies, only up to the sequence's length; where the queries and the pool are bfloat16 and
+AVX512-BF16 runs, the prefill's two products multiply bfloat16 pairs, with vdpbf16ps or on AMX's tiles.
+`pagedserve/kernels/cpu/elementwise.cpp` does RMSNorm (with the residual add), rotary and the SiLU gate in
+one pass each, where torch makes a temporary for every operator.
 
 A float32 model's linear weights are packed at load for `packed_float.cpp`, which serves every number of
 rows, faster than MKL's GEMM on the unpacked weight from one row to thousands. Both packed kernels run a
