@@ -22,6 +22,11 @@
 #include <immintrin.h>
 #endif
 
+// What the kernels that multiply bfloat16 pairs with vdpbf16ps (paged_decode.cpp's scores, paged_prefill.cpp's
+// products) are compiled for, whatever the build's x86-64 level: what cpu_features.py's avx512_bf16 probe ran
+// before the Python side asks for them.
+#define DOT_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
+
 namespace pagedserve {
 
 using bf16 = c10::BFloat16;

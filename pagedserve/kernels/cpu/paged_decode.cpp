@@ -138,8 +138,6 @@ void scores_of(const Task<T>& t, const float* q, float factor, float softcap, fl
 }
 
 #if defined(__x86_64__)
-#define DOT_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
-
 // The 16 lane sums of v[0..15], in one vector: a tree of unpacks and shuffles, 15 vector adds in all.
 DOT_BF16_TARGET inline __m512 sum_lanes_of_16(const __m512* v) {
   __m512 w[8], x[4];

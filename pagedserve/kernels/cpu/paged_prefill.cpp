@@ -223,14 +223,12 @@ class Block {
 // head)'s keys are first copied once into that form (Operands): K as [D / 2, keys, 2] (pairs of dims) and V
 // as [keys / 2, D, 2] (pairs of keys), every key outside [first key seen, length) zero, so that a slot never
 // read stays unread. The softmax runs on AVX-512 between the products, up to kStepKeys keys a row at a time.
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
 constexpr int64_t kStepKeys = 128;  // keys a step: four of P's tiles of 32 columns
 constexpr int64_t kVectorRows = 4;  // rows the vdpbf16ps products take at a time: 16 registers of sums
 
 // e^x for x <= 0 (and lanes of -inf-like values): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
 // r^6 (relative error below 2e-7), times 2^n.
-BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
+DOT_BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
   const __m512 n =
       _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
@@ -244,7 +242,7 @@ BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // The bfloat16 pair at p (two consecutive values) in every 32-bit lane: a row's operand for vdpbf16ps.
-BF16_TARGET inline __m512bh broadcast_pair(const uint16_t* p) {
+DOT_BF16_TARGET inline __m512bh broadcast_pair(const uint16_t* p) {
   int32_t pair;
   std::memcpy(&pair, p, sizeof pair);
   return (__m512bh)_mm512_set1_epi32(pair);
@@ -280,7 +278,7 @@ class Bf16Block {
   Bf16Block(const Shape& shape, bool tiles) : s_(shape), tiles_(tiles) {}
 
   // One task, as Block::run, its keys from o.
-  BF16_TARGET void run(const bf16* q, const Operands& o, int64_t cached, const Task& task, const float* sinks,
+  DOT_BF16_TARGET void run(const bf16* q, const Operands& o, int64_t cached, const Task& task, const float* sinks,
                        bf16* out) {
     const int64_t group = s_.group, rows = task.count * group, dim = s_.dim;
     const int64_t rows_at_once = tiles_ ? amx::kRows : kVectorRows, token_stride = s_.q_heads * dim;
@@ -369,7 +367,7 @@ class Bf16Block {
 
   // score_tiles() with vdpbf16ps: kVectorRows rows and 64 keys at a time, each vector of K's pairs loaded once
   // for the rows. A step's 128 keys lie inside o's, so a vector past `keys` reads zeros or keys no row sees.
-  BF16_TARGET void score_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+  DOT_BF16_TARGET void score_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
     const int64_t dim = s_.dim;
     for (int64_t r0 = 0; r0 < padded; r0 += kVectorRows) {
       for (int64_t c = 0; c < keys; c += 64) {
@@ -395,7 +393,7 @@ class Bf16Block {
 
   // Row r's running max, sum and output rescaled after its scores against the step's keys [lo, hi), and its
   // weights in probs_ as their two halves (zero outside [lo, hi)), 16 keys a vector.
-  BF16_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
+  DOT_BF16_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
     uint16_t* high = probs_.data() + r * kStepKeys;
     uint16_t* low = high + probs_.size() / 2;
     std::fill_n(high, kStepKeys, 0);
@@ -480,7 +478,7 @@ class Bf16Block {
 
   // accumulate_tiles() with vdpbf16ps: kVectorRows rows and 64 columns (2 or 4 vectors of 16) at a time, a
   // pair of keys a step. Keys past `keys` weigh zero in probs_.
-  BF16_TARGET void accumulate_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
+  DOT_BF16_TARGET void accumulate_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t padded) {
     for (int64_t r0 = 0; r0 < padded; r0 += kVectorRows) {
       for (int64_t d0 = 0; d0 < s_.dim; d0 += 64) {
         if (s_.dim - d0 >= 64) {
@@ -493,7 +491,7 @@ class Bf16Block {
   }
 
   template <int kVecs>
-  BF16_TARGET void accumulate_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t r0, int64_t d0) {
+  DOT_BF16_TARGET void accumulate_vectors(const Operands& o, int64_t j0, int64_t keys, int64_t r0, int64_t d0) {
     const int64_t dim = s_.dim;
     const uint16_t* high = probs_.data() + r0 * kStepKeys;
     const uint16_t* low = high + probs_.size() / 2;
