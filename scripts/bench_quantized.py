@@ -6,15 +6,18 @@
   vpdpbusd (pagedserve/kernels/cpu_backend.py): W8A8 in packed_linear.cpp, each activation row rounded to
   int8 with its own scale and the products summed in int32 by vpdpbusd, or past AMX_INT8_SKINNY_ROWS rows
   by AMX's tiles where they run; `vpdpbusd only` is the same kernel kept off the tiles;
-- `int8, float32 x`: weight-only, the int8 weight widened to float32 in registers by skinny_linear up to
-  QUANTIZED_SKINNY_ROWS rows, and dequantized for MKL above;
+- `int8, float32 x`: what it runs on a float32 model: where vpdpbusd runs, the same W8A8 kernel with float32
+  x in and out (no bfloat16 instruction: so also on a CPU with VNNI and no AVX512-BF16); elsewhere as
+  `int8 weight-only`;
+- `int8 weight-only`: float32 x times the int8 weight widened to float32 in registers by skinny_linear up to
+  QUANTIZED_SKINNY_ROWS rows, and dequantized for MKL above (what int8 runs where vpdpbusd does not);
 - `torch._int_mm W8A8`: the same W8A8 arithmetic through torch (oneDNN where the CPU has VNNI or AMX-INT8),
   the activations rounded by torch ops first, for comparison;
 - float32 and bfloat16 weights through the same backend (packed_linear for bfloat16 where this CPU runs
   vdpbf16ps; else skinny_linear up to 16 rows, MKL or oneDNN above).
 
-Each weight is taken as the worker loads it (CpuBackend.prepare_linear); the `bfloat16 [N, K]` column keeps
-the plain layout, to show what packing gains.
+Each weight is taken as the worker loads it (CpuBackend.prepare_linear); the `bfloat16 [N, K]` and `int8
+weight-only` columns keep the plain layout, to show what packing gains.
 
 The weights are separate for each of 30 layers (424 MB in float32), so they stream from memory as in a
 decode step. Each cell is the time of one pass over all 120 GEMMs; compare within one run.
@@ -79,12 +82,13 @@ def main() -> None:
     columns = {
         "float32": (weights, torch.float32),
         "int8, float32 x": (quantized, torch.float32),
+        "int8 weight-only": (quantized, torch.float32),
         "bfloat16 [N, K]": (halves, torch.bfloat16),
         "bfloat16": (halves, torch.bfloat16),
         "int8, bfloat16 x": (quantized, torch.bfloat16),
     }
-    for name, (ws, dtype) in columns.items():  # as the worker loads them, but the [N, K] column
-        if name != "bfloat16 [N, K]":
+    for name, (ws, dtype) in columns.items():  # as the worker loads them, but the [N, K] columns
+        if name not in ("bfloat16 [N, K]", "int8 weight-only"):
             columns[name] = ([backend.prepare_linear(w, dtype) for w in ws], dtype)
     packed = [w for w in columns["int8, bfloat16 x"][0] if isinstance(w, PackedWeight)]
     names = [*columns, *(["vpdpbusd only"] if packed else []), "torch._int_mm W8A8"]

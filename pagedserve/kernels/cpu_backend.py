@@ -13,10 +13,10 @@ one pass each, where torch makes a temporary for every operator.
 A float32 model's linear weights are packed at load for `packed_float.cpp`, which serves every number of
 rows, faster than MKL's GEMM on the unpacked weight from one row to thousands. Both packed kernels run a
 gated MLP's gate and up projection with its SiLU gate in one pass (gated_linear). Where cpu_features.py saw
-vdpbf16ps run and the model computes in bfloat16, each int8 linear weight (where vpdpbusd runs too) and
-each bfloat16 one (where AMX does not) is packed at load for `packed_linear.cpp`, which serves every number
-of rows (an int8 one of more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on AMX's tiles where they
-run). Otherwise GEMMs of a decode step's few rows stream their weight once through `skinny_linear.cpp`,
+vpdpbusd run, each int8 linear weight of a float32 model (of a bfloat16 one where vdpbf16ps ran too) is
+packed at load for `packed_linear.cpp`, which rounds each activation row to int8 (W8A8) and serves every
+number of rows (more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on AMX's tiles where they run); so is
+each bfloat16 weight of a bfloat16 model where vdpbf16ps ran and AMX does not. Otherwise GEMMs of a decode step's few rows stream their weight once through `skinny_linear.cpp`,
 widening bfloat16, int8 or float8 to float32 in registers, and more rows go to torch: oneDNN for bfloat16
 on a CPU that runs it in hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or
 quantized weight widened to float32 first. With AMX, oneDNN takes a bfloat16 GEMM of more than
@@ -257,12 +257,12 @@ class CpuBackend(TorchBackend):
         super().__init__()
         self._ops = ops
         self._dot_bf16 = features is not None and features.avx512_bf16.usable
-        self._dot_int8 = self._dot_bf16 and features is not None and features.avx512_vnni.usable
+        self._dot_int8 = features is not None and features.avx512_vnni.usable
         # With AMX's tiles, oneDNN's bfloat16 GEMM on [N, K] took a sixth of the packed one's time at 1024
         # rows and a third at 64, and less from 8 rows on (scripts/bench_quantized.py): bfloat16 weights
         # stay [N, K] there, for skinny_linear up to AMX_SKINNY_ROWS and oneDNN above.
         self._amx = features is not None and features.amx_bf16.usable
-        # The tile kernels run AVX512-BF16 (and VNNI for int8) between their tile products.
+        # The attention's tile kernel runs AVX512-BF16 between its tile products, the int8 GEMM's VNNI.
         self._amx_attention = self._amx and self._dot_bf16
         self._amx_int8 = self._dot_int8 and features is not None and features.amx_int8.usable
         self._pack_bf16 = self._dot_bf16 and not self._amx
@@ -289,9 +289,9 @@ class CpuBackend(TorchBackend):
 
     def prepare_linear(self, weight: Weight, dtype: torch.dtype) -> Weight:
         """A weight packed (a copy: a vocabulary projection tied to the embedding keeps the embedding too):
-        a float32 model's for packed_float.cpp, and where this CPU runs vdpbf16ps and activations are
-        bfloat16, a bfloat16 weight where AMX does not run and an int8 one where vpdpbusd runs too, for
-        packed_linear.cpp."""
+        a float32 model's for packed_float.cpp; for packed_linear.cpp, an int8 one where this CPU runs
+        vpdpbusd (a bfloat16 model's where it runs vdpbf16ps too), and where it runs vdpbf16ps and
+        activations are bfloat16, a bfloat16 one where AMX does not run."""
         data = weight.data if isinstance(weight, QuantizedWeight) else weight
         if (
             not isinstance(data, torch.Tensor)
@@ -304,18 +304,15 @@ class CpuBackend(TorchBackend):
         return pack_linear(weight, group)  # type: ignore[arg-type]
 
     def _packed_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        """The weights' dtypes prepare_linear packs for a model that computes in dtype: float32 for float32;
-        for bfloat16, bfloat16 for vdpbf16ps (not where AMX runs oneDNN's) and int8 for vpdpbusd."""
+        """The weights' dtypes prepare_linear packs for a model that computes in dtype: float32, and int8
+        for vpdpbusd, for float32; for bfloat16, where vdpbf16ps runs, bfloat16 (not where AMX runs
+        oneDNN's) and int8 for vpdpbusd. (packed_linear.cpp stores bfloat16 outputs with vcvtneps2bf16.)"""
+        int8 = (torch.int8,) if self._dot_int8 else ()
         if dtype == torch.float32:
-            return (torch.float32,)
-        if dtype != torch.bfloat16:
+            return (torch.float32, *int8)
+        if dtype != torch.bfloat16 or not self._dot_bf16:
             return ()
-        dtypes = []
-        if self._pack_bf16:
-            dtypes.append(torch.bfloat16)
-        if self._dot_int8:
-            dtypes.append(torch.int8)
-        return tuple(dtypes)
+        return ((torch.bfloat16,) if self._pack_bf16 else ()) + int8
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _ours(x):
@@ -324,9 +321,9 @@ class CpuBackend(TorchBackend):
         if isinstance(weight, PackedWeight):
             if weight.data.dtype == torch.float32 and x.dtype == torch.float32:
                 return self._ops.packed_float_linear(x, weight.data, bias, weight.rows, False)
-            if x.dtype != torch.bfloat16:
-                return super().linear(x, weight, bias)
-            return self._packed_linear(x, weight, bias, gated=False)
+            if x.dtype == torch.bfloat16 or weight.data.dtype == torch.int8:
+                return self._packed_linear(x, weight, bias, gated=False)
+            return super().linear(x, weight, bias)
         if isinstance(weight, QuantizedWeight):
             if rows > QUANTIZED_SKINNY_ROWS:
                 return quantized_linear(x, weight, bias)
@@ -349,7 +346,9 @@ class CpuBackend(TorchBackend):
             if gate_up.data.dtype == torch.float32 and x.dtype == torch.float32:
                 if gate_up.rows % (2 * self._ops.packed_float_group()) == 0:
                     return self._ops.packed_float_linear(x, gate_up.data, bias, gate_up.rows, True)
-            elif x.dtype == torch.bfloat16 and gate_up.rows % (2 * PACK_GROUP) == 0:
+            elif (x.dtype == torch.bfloat16 or gate_up.data.dtype == torch.int8) and gate_up.rows % (
+                2 * PACK_GROUP
+            ) == 0:
                 return self._packed_linear(x, gate_up, bias, gated=True)
         return super().gated_linear(x, gate_up, bias)
 

@@ -9,7 +9,10 @@ costs the child, and the worker goes on without the feature, saying why.
 
 - `avx512_bf16` (vdpbf16ps): the few-row GEMM's bfloat16 dot products. Its probe also runs that GEMM both
   ways on random inputs, so that a path this machine cannot check otherwise is checked where it runs.
-- `avx512_vnni` (vpdpbusd): with `avx512_bf16`, int8 weights times activations quantized to int8 per row.
+- `avx512_vnni` (vpdpbusd): int8 weights times activations quantized to int8 per row (W8A8), for float32
+  activations, and for bfloat16 ones with `avx512_bf16`. Its probe also runs the float32 form of that GEMM
+  on random inputs against the same rounding in torch: on a CPU with VNNI and no AVX512-BF16 (Cascade
+  Lake, Ice Lake) nothing else checks it.
 - `amx_bf16`: oneDNN's bfloat16 GEMMs (torch's F.linear), which use the tiles where it finds them, and the
   prefill attention's products (paged_prefill.cpp).
 - `amx_int8`: with `avx512_vnni`, the int8 GEMM of a prefill's many rows (packed_linear.cpp).
@@ -116,6 +119,27 @@ def _check_dot_bf16(ops: object) -> None:
         torch.testing.assert_close(dot.float(), widened.float(), rtol=2e-2, atol=2e-2 * k**0.5)
 
 
+def _check_dot_int8(ops: object) -> None:
+    """The packed int8 GEMM (vpdpbusd) on float32 rows against the same W8A8 rounding in torch, on random
+    inputs."""
+    from pagedserve.kernels.backend import QuantizedWeight
+    from pagedserve.kernels.cpu_backend import pack_linear
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, k, n in ((1, 576, 64), (5, 1000, 33), (20, 64, 8)):
+        x = torch.randn(rows, k, generator=generator)
+        data = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        scale = torch.rand(n, generator=generator) / 127
+        bias = torch.randn(n, generator=generator)
+        packed = pack_linear(QuantizedWeight(data, scale))
+        args = (packed.data, packed.scale, packed.sums, bias, n, False, False)
+        dot = ops.packed_linear(x, *args)  # type: ignore[attr-defined]
+        top = x.abs().amax(dim=1, keepdim=True)
+        rounded = torch.round(x * (127 / top)) * (top / 127)
+        expected = rounded @ (data.float() * scale[:, None]).T + bias
+        torch.testing.assert_close(dot, expected, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
 def main(name: str) -> int:
     """The child's side: 0 when the feature gives the right answers, 1 when not; SIGILL kills it first."""
     from pagedserve.kernels.cpu_backend import cpu_ops
@@ -134,6 +158,8 @@ def main(name: str) -> int:
         return 1
     if name == "avx512_bf16":
         _check_dot_bf16(ops)
+    if name == "avx512_vnni":
+        _check_dot_int8(ops)
     return 0
 
 

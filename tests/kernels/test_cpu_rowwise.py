@@ -7,8 +7,11 @@ bfloat16 op by op), so they agree to within one rounding of bfloat16: half a ste
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from pagedserve.kernels.cpu_backend import (
     cpu_ops,
     pack_linear,
 )
-from pagedserve.kernels.cpu_features import cpu_features
+from pagedserve.kernels.cpu_features import CpuFeatures, Feature, cpu_features
 from pagedserve.kernels.torch_ref import TorchBackend
 from services.worker.models.decoder import rotary_table
 from tests.kernels.steps import llama_spec
@@ -43,10 +46,19 @@ def backend() -> CpuBackend:
 
 @pytest.fixture(scope="module")
 def backends(backend: CpuBackend) -> list[CpuBackend]:
-    """The backend without bfloat16 arithmetic, and, where this CPU was seen to run it, the one whose
-    few-row GEMM multiplies bfloat16 pairs with vdpbf16ps."""
+    """The backend without bfloat16 or int8 arithmetic, and, where this CPU was seen to run either, the one
+    that multiplies bfloat16 pairs with vdpbf16ps or int8 ones with vpdpbusd."""
     found = cpu_features()
-    return [backend, CpuBackend(cpu_ops(), found)] if found.avx512_bf16.usable else [backend]
+    runs = found.avx512_bf16.usable or found.avx512_vnni.usable
+    return [backend, CpuBackend(cpu_ops(), found)] if runs else [backend]
+
+
+def packed_runs(found: CpuFeatures, weight: Weight, x_dtype: torch.dtype) -> bool:
+    """Whether packed_linear.cpp multiplies x of this dtype by this weight here: int8 ones on vpdpbusd (for
+    bfloat16 x, where vdpbf16ps runs too: it stores their outputs), bfloat16 ones on vdpbf16ps."""
+    if isinstance(weight, QuantizedWeight):
+        return found.avx512_vnni.usable and (x_dtype == torch.float32 or found.avx512_bf16.usable)
+    return found.avx512_bf16.usable
 
 
 def padded_rows(
@@ -178,11 +190,17 @@ def quantized(weight: torch.Tensor, kind: str) -> QuantizedWeight:
 
 
 def as_multiplied(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """x as the CPU backend multiplies it by weight: rounded per row to int8 (x * (127 / max |x|) to nearest
-    even, as vcvtps2dq does, times max |x| * (1 / 127)) against an int8 weight packed for vpdpbusd; as it is
-    against any other. The kernel's own float32 operations, so that the same ties round the same way."""
+    """x as the CPU backend multiplies it by weight: rounded per row to int8 against an int8 weight packed
+    for vpdpbusd (int8_rows); as it is against any other, in float32."""
     if not (isinstance(weight, PackedWeight) and weight.sums is not None):
         return x.float()
+    return int8_rows(x)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded per row to int8, in float32: x * (127 / max |x|) to nearest even, as vcvtps2dq does,
+    times max |x| * (1 / 127). The kernel's own float32 operations, so that the same ties round the same
+    way."""
     wide = x.float()
     top = wide.abs().amax(dim=1, keepdim=True)
     some = top > 0
@@ -252,24 +270,25 @@ def test_quantized_weights_past_the_few_rows(backends: list[CpuBackend], rows: i
             torch.testing.assert_close(out.float(), expected.float(), **close)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16", "int8-float32"])
 @pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 47, 48, 49, 300])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 4), (4099, 64), (7, 1536)], ids=str)
 def test_packed_linear(backends: list[CpuBackend], rows: int, n: int, k: int, weights: str) -> None:
-    """A weight packed for packed_linear.cpp, where this CPU runs its instructions (vdpbf16ps, and vpdpbusd
-    for int8): rows in tiles of 12 and stretches of 48 and not, outputs in groups of 32 and not, against the
-    float32 product of x as it is multiplied; unpacked, the weight is the one it was. At load, bfloat16
-    weights are packed only where AMX does not run oneDNN's GEMM, and int8 ones where vpdpbusd runs."""
+    """A weight packed for packed_linear.cpp, where this CPU runs its instructions (packed_runs): rows in
+    tiles of 12 and stretches of 48 and not, outputs in groups of 32 and not, against the float32 product of
+    x as it is multiplied; unpacked, the weight is the one it was. At load, bfloat16 weights are packed only
+    where AMX does not run oneDNN's GEMM; a bfloat16 weight under float32 rows is not."""
     gen = torch.Generator().manual_seed(rows * n + k)
     x, weight, bias = linear_case(gen, rows, n, k, weights)
     found = cpu_features()
     int8 = isinstance(weight, QuantizedWeight)
-    runs = found.avx512_bf16.usable and (found.avx512_vnni.usable or not int8)
+    runs = packed_runs(found, weight, x.dtype)
     packed_at_load = runs and (int8 or not found.amx_bf16.usable)
     for backend in backends:
-        prepared = backend.prepare_linear(weight, torch.bfloat16)
+        prepared = backend.prepare_linear(weight, x.dtype)
         assert isinstance(prepared, PackedWeight) == (packed_at_load and backend is backends[-1])
-        assert backend.prepare_linear(weight, torch.float32) is weight  # float32 rows take the [N, K] paths
+        if not int8:
+            assert backend.prepare_linear(weight, torch.float32) is weight  # float32 rows take [N, K] paths
         if not runs or backend is not backends[-1]:
             continue
         packed = pack_linear(weight)  # the kernel, also where AMX keeps bfloat16 weights [N, K] at load
@@ -283,9 +302,11 @@ def test_packed_linear(backends: list[CpuBackend], rows: int, n: int, k: int, we
         wide = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.float()
         for b in (None, bias):
             out = backend.linear(x, packed, b)
-            assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+            assert out.shape == (rows, n) and out.dtype == x.dtype
             expected = REFERENCE.linear(as_multiplied(x, packed), wide, None if b is None else b.float())
-            torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7 * k**0.5)
+            # float32 outputs: the sums are exact in int32, then two float32 products and the bias
+            close = (2**-7, 2**-7 * k**0.5) if x.dtype == torch.bfloat16 else (1e-5, 1e-5 * k**0.5)
+            torch.testing.assert_close(out.float(), expected, rtol=close[0], atol=close[1])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 47, 300])
@@ -347,7 +368,7 @@ def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
         assert torch.equal(backends[-1].linear(x, prepared, b), dots)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16", "int8-float32"])
 @pytest.mark.parametrize("rows", [1, 2, 12, 13, 16, 17, 32, 49, 100, 300])
 @pytest.mark.parametrize(("inner", "k"), [(1536, 576), (32, 64), (96, 128), (40, 64)], ids=str)
 def test_a_gated_product_is_silu_and_mul_of_the_product(
@@ -355,15 +376,14 @@ def test_a_gated_product_is_silu_and_mul_of_the_product(
 ) -> None:
     """gated_linear on a packed gate and up projection [2 I, K] writes silu(gate) * up in the GEMM's pass
     (on vdpbf16ps, vpdpbusd or AMX's tiles, as the rows go): equal, bit for bit, to silu_and_mul of the
-    plain product, which stores the gate and up in bfloat16 first; with and without a bias, for rows in
+    plain product, which stores the gate and up in x's dtype first; with and without a bias, for rows in
     tiles, stretches and AMX blocks and not. An I that is not whole groups of 32, or a CPU that does not run
     the kernel, takes the two ops."""
     gen = torch.Generator().manual_seed(rows * inner + k)
     x, weight, bias = linear_case(gen, rows, 2 * inner, k, weights)
-    found = cpu_features()
-    runs = found.avx512_bf16.usable and (found.avx512_vnni.usable or not isinstance(weight, QuantizedWeight))
+    runs = packed_runs(cpu_features(), weight, x.dtype)
     backend = backends[-1]  # packed, where this CPU runs the kernel (also a bfloat16 weight AMX leaves)
-    prepared = pack_linear(weight) if runs else backend.prepare_linear(weight, torch.bfloat16)
+    prepared = pack_linear(weight) if runs else backend.prepare_linear(weight, x.dtype)
     for b in (None, bias.float()):
         fused = backend.gated_linear(x, prepared, b)
         assert fused.shape == (rows, inner)
@@ -397,6 +417,62 @@ def test_a_float32_gated_product_is_silu_and_mul_of_the_product(
         else:
             with pytest.raises(ValueError, match="gate and up rows must each be a multiple of"):
                 cpu_ops().packed_float_linear(x, packed.data, b, packed.rows, True)
+
+
+def test_int8_on_a_cpu_with_vnni_and_no_bfloat16_arithmetic(backends: list[CpuBackend]) -> None:
+    """Where vpdpbusd runs and vdpbf16ps does not (a Cascade Lake or Ice Lake Xeon), a float32 model's int8
+    weights are packed and its rows rounded to int8 (W8A8), the same kernel and outputs as where both run; a
+    bfloat16 model's stay [N, K], weight-only, since packed_linear.cpp stores bfloat16 with vcvtneps2bf16."""
+    found = cpu_features()
+    if not found.avx512_vnni.usable:
+        pytest.skip("vpdpbusd does not run here")
+    withheld = {name: Feature(name, False, f"no {name}") for name in ("avx512_bf16", "amx_bf16")}
+    vnni_only = CpuBackend(cpu_ops(), dataclasses.replace(found, **withheld))
+    x, weight, bias = linear_case(torch.Generator().manual_seed(5), 13, 100, 64, "int8-float32")
+    packed = vnni_only.prepare_linear(weight, torch.float32)
+    assert isinstance(packed, PackedWeight) and packed.sums is not None
+    assert vnni_only.prepare_linear(weight, torch.bfloat16) is weight
+    out = vnni_only.linear(x, packed, bias)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, backends[-1].linear(x, backends[-1].prepare_linear(weight, torch.float32), bias))
+    expected = REFERENCE.linear(int8_rows(x), weight.dequantize(), bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def instructions(library: str) -> dict[str, list[str]]:
+    """Each function's instruction mnemonics in library, by its name as objdump demangles it (the OpenMP
+    outlined parts keep their mangled names)."""
+    listing = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True, check=True
+    ).stdout
+    functions: dict[str, list[str]] = {}
+    name = ""
+    for line in listing.splitlines():
+        if header := re.match(r"[0-9a-f]+ <(.*)>:$", line):
+            name = header.group(1)
+            functions[name] = []
+        elif name and (code := re.match(r"\s+[0-9a-f]+:\s+(\S+)", line)):
+            functions[name].append(code.group(1))
+    return functions
+
+
+# packed_linear.cpp's code for float32 x (the int8 path of a float32 model), and its bfloat16 twins.
+FLOAT32_INT8 = ("Int8Dot, float>", "run_amx<float>", "Store<float>", "Gates<float>", "quantize_rowsIfE")
+BFLOAT16_OUT = ("Int8Dot, c10::BFloat16>", "Store<c10::BFloat16>", "Gates<c10::BFloat16>")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump here")
+def test_the_float32_int8_path_holds_no_bfloat16_instruction() -> None:
+    """The kernels' template instantiations for float32 x compile under the same target as their bfloat16
+    twins (AVX512-BF16 on): none may hold a bfloat16 instruction, which would fault on a CPU with VNNI and
+    no AVX512-BF16, where these tests do not run. The bfloat16 twins hold some, so the scan sees them."""
+    functions = instructions(cpu_ops().__file__)
+    for names, bf16_held in ((FLOAT32_INT8, False), (BFLOAT16_OUT, True)):
+        for part in names:
+            found = {name: code for name, code in functions.items() if part in name}
+            assert found, f"no function of {part} in the build"
+            held = sorted({op for code in found.values() for op in code if "bf16" in op})
+            assert bool(held) == bf16_held, f"{part}: {held}"
 
 
 def test_a_weight_of_odd_width_is_not_packed(backends: list[CpuBackend]) -> None:

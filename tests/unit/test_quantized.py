@@ -15,14 +15,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedserve.kernels.backend import QuantizedWeight
+from pagedserve.kernels.backend import QuantizedWeight, plain_weight
+from pagedserve.kernels.cpu_features import cpu_features
 from services.common.default_model import default_model_dir
 from services.worker.core.engine import EngineCore
 from services.worker.core.engine_config import EngineConfig
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM, load_model
-from services.worker.models.quantized import quantize_int8
+from services.worker.models.quantized import int8_activations, quantize_int8
 from tests.compressed import compress_checkpoint
+from tests.kernels.test_cpu_rowwise import int8_rows
 from tests.models import make_model
 from tests.unit.test_engine import Family, backend, prompts, run, tokens
 
@@ -53,30 +55,42 @@ def test_int8_rows_keep_their_largest_value_and_round_the_rest_to_the_nearest_st
     assert torch.allclose(quantized.dequantize()[rows, most], weight[rows, most])
 
 
-def with_dequantized_int8(hf: PreTrainedModel) -> PreTrainedModel:
+def with_dequantized_int8(hf: PreTrainedModel, int8_rows: bool) -> PreTrainedModel:
     """transformers' model with each linear layer's weight (and lm_head's) replaced by its int8 rounding; a
-    tied lm_head gets a copy of its own, as the embedding keeps its dtype."""
+    tied lm_head gets a copy of its own, as the embedding keeps its dtype. With int8_rows, each of those
+    layers rounds its input to int8 a row first, as the CPU backend's W8A8 product does."""
     with torch.no_grad():
         hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.clone())
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear) and (name.endswith(LINEARS) or name == "lm_head"):
                 module.weight.copy_(quantize_int8(module.weight).dequantize())
+                if int8_rows:
+                    module.register_forward_pre_hook(lambda _, args: (rounded_rows(args[0]),))
     return hf
 
 
-@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded to int8 a row, as packed_linear.cpp multiplies it."""
+    return int8_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape).to(x.dtype)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu", "cpu-worker"])
 @pytest.mark.parametrize("name", ["smollm2-tied", "qwen2-bias", "phi3-partial", "qwen3-moe"])
 def test_int8_runs_exactly_the_model_of_its_rounded_weights(name: str, kernels: str, tmp_path: Path) -> None:
     """A tied embedding (its own int8 copy for the logits), biases, a fused and permuted QKV, and experts
-    (which keep the model's dtype): greedy tokens equal transformers' on the dequantized weights."""
+    (which keep the model's dtype): greedy tokens equal transformers' on the dequantized weights. With the
+    instructions the worker would use (cpu-worker), where vpdpbusd runs, the float32 model's linear layers
+    round their activations to int8 a row too (W8A8), and so does the reference."""
     folder = make_model(name, tmp_path)
     model = load_model(folder, dtype=torch.float32, device=CPU, backend=backend(kernels), quantization="int8")
     layer = model.weights.layers[0]
-    assert isinstance(layer.qkv, QuantizedWeight) and isinstance(layer.o, QuantizedWeight)
-    assert isinstance(model.weights.lm_head, QuantizedWeight)
+    w8a8 = kernels == "cpu-worker" and cpu_features().avx512_vnni.usable
+    assert int8_activations(model.weights) == w8a8
+    for weight in (layer.qkv, layer.o, model.weights.lm_head):
+        assert isinstance(plain_weight(weight), QuantizedWeight)
     assert model.weights.embed.dtype == torch.float32
     hf = with_dequantized_int8(
-        AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), w8a8
     )
     family = Family(model, hf, "off")
     batch = prompts(3, 17, 40, seed=11)

@@ -1,9 +1,12 @@
-// y = x W^T * scale (+ bias) with bfloat16 x and a weight packed at load (pagedserve/kernels/cpu_backend.py packs) for
-// one instruction that multiplies several consecutive k at once (or, gated, silu(x Wg^T) * x Wu^T of a fused
-// gate and up projection, in the same pass over x):
-// - a bfloat16 W for vdpbf16ps (AVX512-BF16): two k, each group of 32 output rows stored as [K/2, 32, 2];
-// - an int8 W, with a float32 scale per output row, for vpdpbusd (AVX512-VNNI): four k, [K/4, 32, 4]; x is
-//   rounded per row to int8 first (a scale a row, max |x| / 127), the products summed exactly in int32.
+// y = x W^T * scale (+ bias) with a weight packed at load (pagedserve/kernels/cpu_backend.py packs) for one
+// instruction that multiplies several consecutive k at once (or, gated, silu(x Wg^T) * x Wu^T of a fused gate
+// and up projection, in the same pass over x):
+// - a bfloat16 W for vdpbf16ps (AVX512-BF16), bfloat16 x: two k, each group of 32 output rows stored as
+//   [K/2, 32, 2];
+// - an int8 W, with a float32 scale per output row, for vpdpbusd (AVX512-VNNI), bfloat16 or float32 x: four
+//   k, [K/4, 32, 4]; x is rounded per row to int8 first (a scale a row, max |x| / 127), the products summed
+//   exactly in int32. With float32 x nothing in the path is a bfloat16 instruction, so it runs on a CPU with
+//   VNNI and no AVX512-BF16 (Cascade Lake, Ice Lake); y is x's dtype.
 // Either way one 512-bit load holds those k of 16 outputs (the last group is padded with zero rows).
 //
 // Each of x's steps of k is broadcast to all 16 lanes, so each accumulator lane is one output's running
@@ -21,6 +24,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -51,7 +55,7 @@ struct Operands {
   const int32_t* w_sums;  // [G * 32]: 128 * each output's sum of W, for int8 x int8
   const float* scale;    // [N] or null
   const float* bias;     // [N] or null
-  bf16* y;               // [M, N]
+  void* y;               // [M, N], bfloat16 or float32 as x
   int64_t k_len, n_len;
 };
 
@@ -111,32 +115,46 @@ PACKED_TARGET inline __m512 finish(const Operands& o, int64_t n0, __m512 sums, _
 // Where a kernel's sums go, 16 outputs at a time: put(m, n0, sums) takes row m's sums of W's rows
 // [n0, n0 + 16), x's scale applied.
 
-// y = the outputs, rounded to bfloat16, stored where n < N.
+// 16 outputs as a Y holds them: rounded to bfloat16 (vcvtneps2bf16), or float32 as they are.
+template <typename Y>
+PACKED_TARGET inline __m512 as_stored(__m512 v) {
+  if constexpr (std::is_same_v<Y, bf16>) return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+  return v;
+}
+
+// y = the outputs, as Y (x's dtype), stored where n < N.
+template <typename Y>
 struct Store {
   const Operands& o;
   PACKED_TARGET void put(int64_t m, int64_t n0, __m512 sums) const {
     const int64_t valid = o.n_len - n0;
     if (valid <= 0) return;
     const __mmask16 mask = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    _mm256_mask_storeu_epi16(o.y + m * o.n_len + n0, mask, (__m256i)_mm512_cvtneps_pbh(finish(o, n0, sums, mask)));
+    Y* y = static_cast<Y*>(o.y) + m * o.n_len + n0;
+    if constexpr (std::is_same_v<Y, bf16>) {
+      _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(finish(o, n0, sums, mask)));
+    } else {
+      _mm512_mask_storeu_ps(y, mask, finish(o, n0, sums, mask));
+    }
   }
 };
 
 // Gated, W is [2 I, K]: gate's rows, then up's, I a multiple of the group. A work item runs gate's group g
-// for its rows into Gates, rounded to bfloat16 as an unfused projection would store them, then up's group
+// for its rows into Gates, as Y holds them (as an unfused projection would store them), then up's group
 // (g + I / 32) into GatedStore, which writes y [M, I] = silu(gate) * up, as silu_and_mul rounds it.
 constexpr int64_t kMaxStretch = 4 * kTileRows;  // rows a work item: run's 4 tiles, or one of run_amx's blocks
 
+template <typename Y>
 struct Gates {
   const Operands& o;
   int64_t m0;                            // the work item's first row
   float (&rows)[kMaxStretch][kGroup];  // its rows' gates
   PACKED_TARGET void put(int64_t m, int64_t n0, __m512 sums) const {
-    const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(finish(o, n0, sums)));
-    _mm512_storeu_ps(&rows[m - m0][n0 % kGroup], rounded);
+    _mm512_storeu_ps(&rows[m - m0][n0 % kGroup], as_stored<Y>(finish(o, n0, sums)));
   }
 };
 
+template <typename Y>
 struct GatedStore {
   const Operands& o;
   int64_t m0;
@@ -144,11 +162,11 @@ struct GatedStore {
   PACKED_TARGET void put(int64_t m, int64_t n0, __m512 sums) const {
     const int64_t inner = o.n_len / 2;
     alignas(64) float up[16];
-    _mm512_store_ps(up, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(finish(o, n0, sums))));
+    _mm512_store_ps(up, as_stored<Y>(finish(o, n0, sums)));
     const float* gate = &gates[m - m0][n0 % kGroup];
-    bf16* y = o.y + m * inner + n0 - inner;
+    Y* y = static_cast<Y*>(o.y) + m * inner + n0 - inner;
 #pragma omp simd
-    for (int i = 0; i < 16; ++i) y[i] = pagedserve::silu_mul<bf16>(gate[i], up[i]);
+    for (int i = 0; i < 16; ++i) y[i] = pagedserve::silu_mul<Y>(gate[i], up[i]);
   }
 };
 
@@ -238,7 +256,7 @@ PACKED_TARGET void rows_against_group(const Operands& o, const Sink& sink, int64
 // group's W; a stretch is every row at decode sizes, and 4 tiles of rows at a prefill's.
 // The lambdas here name the target themselves: GCC does not pass a function's target to a lambda inside it.
 // Gated, a work item is gate's group g with up's after it (groups is then I / 32).
-template <typename Dot>
+template <typename Dot, typename Y>
 void run(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
   const int64_t stretch = m_len <= kMaxStretch ? m_len : kMaxStretch;
   const int64_t stretches = (m_len + stretch - 1) / stretch;
@@ -247,10 +265,10 @@ void run(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
       const int64_t g = i / stretches, m0 = (i % stretches) * stretch, m_end = std::min(m0 + stretch, m_len);
       if (gated) {
         float gates[kMaxStretch][kGroup];
-        rows_against_group<Dot>(o, Gates{o, m0, gates}, m0, m_end, g);
-        rows_against_group<Dot>(o, GatedStore{o, m0, gates}, m0, m_end, g + groups);
+        rows_against_group<Dot>(o, Gates<Y>{o, m0, gates}, m0, m_end, g);
+        rows_against_group<Dot>(o, GatedStore<Y>{o, m0, gates}, m0, m_end, g + groups);
       } else {
-        rows_against_group<Dot>(o, Store{o}, m0, m_end, g);
+        rows_against_group<Dot>(o, Store<Y>{o}, m0, m_end, g);
       }
     }
   });
@@ -295,6 +313,7 @@ AMX_TARGET void amx_block(const Operands& o, const Sink& sink, const char* w, in
 }
 
 // As run, with blocks of 32 rows on the tiles; a work item is a group (gated: two) against 4 blocks.
+template <typename Y>
 void run_amx(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
   constexpr int64_t kStretch = 4;
   const int64_t blocks = (m_len + kAmxRows - 1) / kAmxRows, stretches = (blocks + kStretch - 1) / kStretch;
@@ -308,25 +327,30 @@ void run_amx(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
         const int64_t m0 = b * kAmxRows;
         if (gated) {
           float gates[kMaxStretch][kGroup];
-          amx_block(o, Gates{o, m0, gates}, weights + g * w_bytes, m0, m_len, g);
-          amx_block(o, GatedStore{o, m0, gates}, weights + (g + groups) * w_bytes, m0, m_len, g + groups);
+          amx_block(o, Gates<Y>{o, m0, gates}, weights + g * w_bytes, m0, m_len, g);
+          amx_block(o, GatedStore<Y>{o, m0, gates}, weights + (g + groups) * w_bytes, m0, m_len, g + groups);
         } else {
-          amx_block(o, Store{o}, weights + g * w_bytes, m0, m_len, g);
+          amx_block(o, Store<Y>{o}, weights + g * w_bytes, m0, m_len, g);
         }
       }
     }
   });
 }
 
-// x [M, K] bfloat16 as int8 per row, symmetric (scale = max |x| * (1 / 127), x * (127 / max |x|) rounded to
-// nearest even), stored offset by 128 as uint8: q [M, K]; scales [M].
-PACKED_TARGET void quantize_rows(const bf16* x, int64_t m_len, int64_t k_len, uint8_t* q, float* scales) {
+// x [M, K] (bfloat16 or float32) as int8 per row, symmetric (scale = max |x| * (1 / 127), x * (127 / max |x|)
+// rounded to nearest even), stored offset by 128 as uint8: q [M, K]; scales [M].
+template <typename X>
+PACKED_TARGET void quantize_rows(const X* x, int64_t m_len, int64_t k_len, uint8_t* q, float* scales) {
   at::parallel_for(0, m_len, 16, [&](int64_t begin, int64_t end) PACKED_TARGET {
     for (int64_t m = begin; m < end; ++m) {
-      const bf16* row = x + m * k_len;
+      const X* row = x + m * k_len;
       const auto widen = [&](int64_t k, __mmask16 mask) PACKED_TARGET {
-        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, row + k));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        if constexpr (std::is_same_v<X, bf16>) {  // bfloat16 is float32's top half
+          const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, row + k));
+          return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        } else {
+          return _mm512_maskz_loadu_ps(mask, row + k);
+        }
       };
       const auto mask_at = [&](int64_t k) {
         return k + 16 <= k_len ? __mmask16(0xFFFF) : __mmask16((1u << (k_len - k)) - 1);
@@ -354,13 +378,15 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
                          std::optional<at::Tensor> w_sums, std::optional<at::Tensor> bias, int64_t n_len, bool amx,
                          bool gated) {
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
-  check_cpu(x, "x", at::kBFloat16);
+  const bool quantized = packed.scalar_type() == at::kChar;
+  pagedserve::check_cpu_float(x, "x");
+  TORCH_CHECK_VALUE(quantized || x.scalar_type() == at::kBFloat16, "a packed bfloat16 weight takes bfloat16 x, not ",
+                    c10::getDtypeNames(x.scalar_type()).first);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const int64_t m_len = x.size(0), k_len = x.size(1);
   const int64_t groups = (n_len + kGroup - 1) / kGroup;
   TORCH_CHECK_VALUE(!gated || n_len % (2 * kGroup) == 0, "a gated weight's gate and up rows must each be a multiple of ",
                     kGroup, ", not ", n_len, " rows in all");
-  const bool quantized = packed.scalar_type() == at::kChar;
   const int64_t step = quantized ? 4 : 2;
   TORCH_CHECK_VALUE(n_len > 0 && k_len % step == 0, "a packed ", quantized ? "int8" : "bfloat16",
                     " weight needs N > 0 and K a multiple of ", step, ", not N ", n_len, " and K ", k_len);
@@ -390,8 +416,8 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
   auto y = at::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
   const int64_t items = gated ? groups / 2 : groups;  // gated, each runs gate's group and up's
 #if defined(__x86_64__)
-  Operands o{xc.data_ptr<bf16>(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
-             bf ? bf->data_ptr<float>() : nullptr, y.data_ptr<bf16>(), k_len, n_len};
+  Operands o{xc.data_ptr(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
+             bf ? bf->data_ptr<float>() : nullptr, y.data_ptr(), k_len, n_len};
   if (quantized) {
     // The tiles take x's rows 32 at a time: those past M are read (zeros), and their sums dropped.
     const bool tiles = amx && k_len % kAmxK == 0;
@@ -401,20 +427,28 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
     auto q = at::empty({rows, k_len}, x.options().dtype(at::kByte));
     q.narrow(0, m_len, rows - m_len).zero_();
     auto x_scale = at::empty({m_len}, x.options().dtype(at::kFloat));
-    quantize_rows(xc.data_ptr<bf16>(), m_len, k_len, q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
     o.x = q.data_ptr<uint8_t>();
     o.x_scale = x_scale.data_ptr<float>();
     o.w_sums = w_sums->data_ptr<int32_t>();
-    if (tiles) {
-      run_amx(o, m_len, items, gated);
+    const auto quantize_and_run = [&](auto tag) {
+      using Y = decltype(tag);
+      quantize_rows(xc.data_ptr<Y>(), m_len, k_len, q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
+      if (tiles) {
+        run_amx<Y>(o, m_len, items, gated);
+      } else {
+        run<Int8Dot, Y>(o, m_len, items, gated);
+      }
+    };
+    if (x.scalar_type() == at::kFloat) {
+      quantize_and_run(float{});
     } else {
-      run<Int8Dot>(o, m_len, items, gated);
+      quantize_and_run(bf16{});
     }
   } else {
-    run<Bf16Dot>(o, m_len, items, gated);
+    run<Bf16Dot, bf16>(o, m_len, items, gated);
   }
   return y;
 #else
-  TORCH_CHECK(false, "packed_linear runs on x86-64 CPUs with AVX512-BF16");
+  TORCH_CHECK(false, "packed_linear runs on x86-64 CPUs with AVX512-VNNI (and AVX512-BF16 for bfloat16 x)");
 #endif
 }

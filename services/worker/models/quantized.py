@@ -7,10 +7,10 @@ attention's QKV and output projections, the dense MLP's, and the vocabulary proj
 embedding's, where the two are tied: the embedding's lookup keeps the model's dtype); a mixture of experts'
 weights keep the model's dtype. The backends take the product in float32 with the scale applied to the sums
 (pagedserve.kernels.backend.QuantizedWeight), so activations stay in the model's dtype (weight-only). The
-exception is the CPU backend's weights packed for vpdpbusd (a bfloat16 model on a CPU that runs AVX512-VNNI
-and AVX512-BF16): each activation row is rounded to int8 with a scale of its own (W8A8, dynamic per token),
-which took half the time of int8 weights widened to bfloat16 at 256 rows (scripts/bench_quantized.py) and
-costs accuracy (the README's table).
+exception is the CPU backend's weights packed for vpdpbusd (on a CPU that runs AVX512-VNNI; for a bfloat16
+model, AVX512-BF16 too): each activation row is rounded to int8 with a scale of its own (W8A8, dynamic per
+token), which took half the time of int8 weights widened to bfloat16 at 256 rows, and a fifth of their time
+widened to float32 (scripts/bench_quantized.py), and costs accuracy (the README's table).
 
 A compressed-tensors checkpoint (config.json's quantization_config, quant_method "compressed-tensors")
 loads where each quantized weight is int8 or float8 (e4m3), symmetric, with a scale per output channel or one
