@@ -341,22 +341,24 @@ def test_packed_float_linear_refuses_what_it_cannot_multiply(backend: CpuBackend
         ops.packed_float_linear(torch.randn(3, 64).bfloat16(), packed.data, None, 40, False)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("rows", [17, 31, 32, 33, 100, 300])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 64), (4099, 128), (7, 1536), (40, 100)], ids=str)
 def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
-    backends: list[CpuBackend], rows: int, n: int, k: int
+    backends: list[CpuBackend], rows: int, n: int, k: int, x_dtype: torch.dtype
 ) -> None:
     """Past AMX_INT8_SKINNY_ROWS rows an int8 x int8 product runs on AMX's tiles where this CPU runs them (and
     K is a multiple of 64; else on vpdpbusd): the int32 sums are exact either way, so the outputs are equal,
-    for rows in blocks of 32 and not, outputs in groups of 32 and not, K of one step of 64 and many."""
+    for rows in blocks of 32 and not, outputs in groups of 32 and not, K of one step of 64 and many, rows of
+    a bfloat16 model and of a float32 one."""
     found = cpu_features()
     _, weight, bias = linear_case(torch.Generator().manual_seed(rows + n + k), rows, n, k, "int8-bfloat16")
-    prepared = backends[-1].prepare_linear(weight, torch.bfloat16)
-    if not (found.avx512_bf16.usable and found.avx512_vnni.usable):  # no int8 x int8 products here at all
+    prepared = backends[-1].prepare_linear(weight, x_dtype)
+    if not packed_runs(found, weight, x_dtype):  # no int8 x int8 products here at all
         assert not isinstance(prepared, PackedWeight)
         return
     assert isinstance(prepared, PackedWeight) and rows > AMX_INT8_SKINNY_ROWS
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(x_dtype)
     ops = cpu_ops()
     for b in (None, bias.float()):
         args = (x, prepared.data, prepared.scale, prepared.sums, b, n)
