@@ -15,12 +15,12 @@ rows, faster than MKL's GEMM on the unpacked weight from one row to thousands. B
 gated MLP's gate and up projection with its SiLU gate in one pass (gated_linear). Where cpu_features.py saw
 vpdpbusd run, each int8 linear weight of a float32 model (of a bfloat16 one where vdpbf16ps ran too) is
 packed at load for `packed_linear.cpp`, which rounds each activation row to int8 (W8A8) and serves every
-number of rows (more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on AMX's tiles where they run); so is
-each bfloat16 weight of a bfloat16 model where vdpbf16ps ran and AMX does not. Otherwise GEMMs of a decode step's few rows stream their weight once through `skinny_linear.cpp`,
-widening bfloat16, int8 or float8 to float32 in registers, and more rows go to torch: oneDNN for bfloat16
-on a CPU that runs it in hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or
-quantized weight widened to float32 first. With AMX, oneDNN takes a bfloat16 GEMM of more than
-AMX_SKINNY_ROWS rows.
+number of rows (more than AMX_INT8_SKINNY_ROWS, with K a multiple of 64, on AMX's tiles where they run); so
+is each bfloat16 weight of a bfloat16 model where vdpbf16ps ran and AMX does not. Otherwise GEMMs of a
+decode step's few rows stream their weight once through `skinny_linear.cpp`, widening bfloat16, int8 or
+float8 to float32 in registers, and more rows go to torch: oneDNN for bfloat16 on a CPU that runs it in
+hardware (AMX or AVX512-BF16), MKL in float32 otherwise, with a bfloat16 or quantized weight widened to
+float32 first. With AMX, oneDNN takes a bfloat16 GEMM of more than AMX_SKINNY_ROWS rows.
 
 The ops are built once per machine by torch's cpp_extension, for this CPU's instruction set, into
 cpu-kernels/ in the cache folder, or $PAGEDSERVE_CPU_KERNELS: the first start takes a minute or more on a
