@@ -2,8 +2,9 @@
 
     python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,bfloat16,int8-bfloat16]
 
-int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations
-(rounded to int8 a row where the worker would: W8A8, on a CPU with AVX512-VNNI and AVX512-BF16).
+int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations,
+each rounded to int8 a row where the worker would (W8A8: on a CPU with AVX512-VNNI, and AVX512-BF16 for
+bfloat16). int8-weight-only keeps float32 activations whole, as the worker does where VNNI does not run.
 float32-kv-bfloat16 is the float32 model over a bfloat16 KV pool (--kv-cache-dtype bfloat16).
 
 Each prompt is a chat message through the model's chat template. For each, the float32 model's greedy
@@ -21,6 +22,7 @@ this CPU (pagedserve/kernels/cpu_features.py); the greedy continuations come fro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -33,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from memory_daemon.shape import DType  # noqa: E402
 from pagedserve.kernels.backend import AttentionMetadata  # noqa: E402
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops  # noqa: E402
-from pagedserve.kernels.cpu_features import cpu_features  # noqa: E402
+from pagedserve.kernels.cpu_features import Feature, cpu_features  # noqa: E402
 from services.common.default_model import resolve_model  # noqa: E402
 from services.common.request import EngineRequest  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
@@ -70,17 +72,22 @@ PAGE_SIZE = 16
 # What --dtypes names: the model's dtype (its activations), its weights' quantization and its pool's dtype.
 VARIANTS: dict[str, tuple[torch.dtype, Quantization, torch.dtype | None]] = {
     "int8": (torch.float32, "int8", None),
+    "int8-weight-only": (torch.float32, "int8", None),
     "bfloat16": (torch.bfloat16, "none", None),
     "int8-bfloat16": (torch.bfloat16, "int8", None),
     "float32-kv-bfloat16": (torch.float32, "none", torch.bfloat16),
 }
 
 
-def load(model_dir: Path, dtype: torch.dtype, quantization: Quantization) -> CausalLM:
+def load(model_dir: Path, dtype: torch.dtype, quantization: Quantization, int8_rows: bool = True) -> CausalLM:
+    """The model on the CPU kernels with what this CPU runs; without int8_rows, as if vpdpbusd did not."""
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("the C++ CPU kernels could not be built here")
-    backend = CpuBackend(ops, cpu_features())
+    found = cpu_features()
+    if not int8_rows:
+        found = dataclasses.replace(found, avx512_vnni=Feature("avx512_vnni", False, "withheld"))
+    backend = CpuBackend(ops, found)
     return load_model(
         model_dir, dtype=dtype, device=torch.device("cpu"), backend=backend, quantization=quantization
     )
@@ -163,7 +170,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype, quantization, kv_dtype = VARIANTS[name]
-        model = load(model_dir, dtype, quantization)
+        model = load(model_dir, dtype, quantization, int8_rows=name != "int8-weight-only")
         continuations = greedy(model, prompts, args.tokens, kv_dtype)
         same = sum(c == r for c, r in zip(continuations, reference, strict=True))
         prefix = [
