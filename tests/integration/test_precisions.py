@@ -35,7 +35,11 @@ TOKENS = 24
 
 
 def in_process(
-    dtype: torch.dtype, quantization: Quantization, prompt: list[int], kv_dtype: DType
+    dtype: torch.dtype,
+    quantization: Quantization,
+    prompt: list[int],
+    kv_dtype: DType,
+    config: EngineConfig = EngineConfig(),  # noqa: B008 - frozen
 ) -> list[int]:
     ops = cpu_ops()
     assert ops is not None
@@ -47,7 +51,7 @@ def in_process(
         quantization=quantization,
     )
     kv = LocalKVCache(model.spec.pool_shape(kv_dtype, 16), 64)
-    engine = EngineCore(model, kv, EngineConfig())
+    engine = EngineCore(model, kv, config)
     engine.add(
         engine.new_sequence(
             0, EngineRequest(tuple(prompt), SamplingOptions(max_tokens=TOKENS, temperature=0.0))
@@ -113,6 +117,36 @@ def test_a_stack_serves_the_precision_asked_for(
     int8_x = found.avx512_vnni.usable and (dtype == torch.float32 or found.avx512_bf16.usable)
     assert ("times activations rounded to int8 a row" in stack.log()) == (quantization == "int8" and int8_x)
     assert served == in_process(dtype, quantization, prompt, kv_dtype)
+
+
+@pytest.mark.parametrize(
+    ("flags", "quantization"),
+    [(("--dtype", "auto"), "none"), (("--dtype", "float32", "--quantization", "int8"), "int8")],
+    ids=["auto", "float32-int8"],
+)
+def test_a_prompt_longer_than_a_step_is_served(
+    run_dir: Path, flags: tuple[str, ...], quantization: Quantization
+) -> None:
+    """A prompt of several --max-batched-tokens chunks, alone on the worker: its first steps sample no row,
+    so they ask the vocabulary projection for none. Where that projection is a packed GEMM for
+    packed_linear.cpp (the bfloat16 --dtype auto picks on a CPU with AVX512-BF16; int8 weights where VNNI
+    runs), the worker once died of SIGFPE on it."""
+    stack = start_stack(run_dir, *flags, "--max-batched-tokens", "32", "--kv-memory", "64MiB")
+    try:
+        with Client(stack.address, timeout_s=120) as client:
+            dtype = client.model_info().dtype
+            prompt = client.tokenize(PROMPT * 12)
+            assert len(prompt) > 2 * 32
+            served = [
+                t
+                for r in client.stream(token_ids=prompt, max_tokens=TOKENS, temperature=0.0)
+                for t in r.token_ids
+            ]
+    finally:
+        assert stack.stop() == 0, stack.log()
+    assert "killed by" not in stack.log()
+    config = EngineConfig(max_batched_tokens=32)
+    assert served == in_process(getattr(torch, dtype), quantization, prompt, dtype, config)  # type: ignore[arg-type]
 
 
 def test_auto_says_what_it_picked_and_why(run_dir: Path) -> None:

@@ -428,7 +428,7 @@ def test_int8_on_a_cpu_with_vnni_and_no_bfloat16_arithmetic(backends: list[CpuBa
     found = cpu_features()
     if not found.avx512_vnni.usable:
         pytest.skip("vpdpbusd does not run here")
-    withheld = {name: Feature(name, False, f"no {name}") for name in ("avx512_bf16", "amx_bf16")}
+    withheld = {name: Feature(name, False, f"no {name}") for name in ("avx512_bf16", "amx_bf16", "amx_int8")}
     vnni_only = CpuBackend(cpu_ops(), dataclasses.replace(found, **withheld))
     x, weight, bias = linear_case(torch.Generator().manual_seed(5), 13, 100, 64, "int8-float32")
     packed = vnni_only.prepare_linear(weight, torch.float32)
@@ -458,7 +458,8 @@ def instructions(library: str) -> dict[str, list[str]]:
     return functions
 
 
-# packed_linear.cpp's code for float32 x (the int8 path of a float32 model), and its bfloat16 twins.
+# packed_linear.cpp's code for float32 x (the int8 path of a float32 model), and its bfloat16 twins. The
+# OpenMP parts outlined from quantize_rows keep their mangled names: quantize_rows<float> is "IfE" there.
 FLOAT32_INT8 = ("Int8Dot, float>", "run_amx<float>", "Store<float>", "Gates<float>", "quantize_rowsIfE")
 BFLOAT16_OUT = ("Int8Dot, c10::BFloat16>", "Store<c10::BFloat16>", "Gates<c10::BFloat16>")
 
@@ -467,14 +468,21 @@ BFLOAT16_OUT = ("Int8Dot, c10::BFloat16>", "Store<c10::BFloat16>", "Gates<c10::B
 def test_the_float32_int8_path_holds_no_bfloat16_instruction() -> None:
     """The kernels' template instantiations for float32 x compile under the same target as their bfloat16
     twins (AVX512-BF16 on): none may hold a bfloat16 instruction, which would fault on a CPU with VNNI and
-    no AVX512-BF16, where these tests do not run. The bfloat16 twins hold some, so the scan sees them."""
+    no AVX512-BF16, where these tests do not run. The scan finds the kernel's own instructions in them
+    (vpdpbusd's products, vpmovusdb's int8 rows), and bfloat16 ones in the twins, so it sees the code it
+    checks. (It reads the build this CPU loads: an AVX2 machine's x86-64-v3 build holds the same
+    target-attributed functions.)"""
     functions = instructions(cpu_ops().__file__)
+    float32_ops: set[str] = set()
     for names, bf16_held in ((FLOAT32_INT8, False), (BFLOAT16_OUT, True)):
         for part in names:
             found = {name: code for name, code in functions.items() if part in name}
             assert found, f"no function of {part} in the build"
             held = sorted({op for code in found.values() for op in code if "bf16" in op})
             assert bool(held) == bf16_held, f"{part}: {held}"
+            if not bf16_held:
+                float32_ops.update(op for code in found.values() for op in code)
+    assert {"vpdpbusd", "vpmovusdb"} <= float32_ops
 
 
 def test_a_weight_of_odd_width_is_not_packed(backends: list[CpuBackend]) -> None:
@@ -487,11 +495,15 @@ def test_a_weight_of_odd_width_is_not_packed(backends: list[CpuBackend]) -> None
 def test_packed_linear_refuses_what_it_cannot_multiply(backend: CpuBackend) -> None:
     """Each operand the kernel reads is checked against the packing's shape before it runs: an int8 weight
     without its sums, sums with a bfloat16 weight, a K the packing's step does not divide, a packing of the
-    wrong rank, a K past vpdpbusd's int32 range."""
+    wrong rank, a K past vpdpbusd's int32 range, float16 rows, float32 rows against a bfloat16 weight."""
     ops = cpu_ops()
     x = torch.randn(3, 64).bfloat16()
     fours = pack_linear(quantized(torch.randn(40, 64), "int8"))
     pairs = pack_linear(torch.randn(40, 64).bfloat16())
+    with pytest.raises(ValueError, match="x must be float32 or bfloat16, not float16"):
+        ops.packed_linear(x.half(), fours.data, fours.scale, fours.sums, None, 40, False, False)
+    with pytest.raises(ValueError, match="a packed bfloat16 weight takes bfloat16 x, not float"):
+        ops.packed_linear(x.float(), pairs.data, None, None, None, 40, False, False)
     with pytest.raises(ValueError, match="an int8 weight needs its scale and its sums"):
         ops.packed_linear(x, fours.data, fours.scale, None, None, 40, False, False)
     with pytest.raises(ValueError, match="a scale and sums go with an int8 weight only"):
@@ -509,6 +521,24 @@ def test_packed_linear_refuses_what_it_cannot_multiply(backend: CpuBackend) -> N
         ops.packed_linear(
             torch.ones(1, 1 << 16).bfloat16(), wide.data, wide.scale, wide.sums, None, 32, False, False
         )
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8-bfloat16", "int8-float32", "float32"])
+def test_no_rows_give_an_empty_product(weights: str, gated: bool) -> None:
+    """A step whose rows all belong to a prompt still being prefilled samples none, so it asks the
+    vocabulary projection for no rows: each packed kernel returns an empty product (packed_linear.cpp once
+    divided by its zero rows, and the worker died of SIGFPE)."""
+    _, weight, _ = linear_case(torch.Generator().manual_seed(0), 1, 64, 64, weights)
+    x = torch.zeros(0, 64, dtype=getattr(torch, weights.rpartition("-")[2]))
+    ops = cpu_ops()
+    if weights == "float32":
+        packed = pack_linear(weight, ops.packed_float_group())
+        y = ops.packed_float_linear(x, packed.data, None, 64, gated)
+    else:
+        packed = pack_linear(weight)
+        y = ops.packed_linear(x, packed.data, packed.scale, packed.sums, None, 64, False, gated)
+    assert y.shape == (0, 32 if gated else 64) and y.dtype == x.dtype
 
 
 def test_every_float8_value_widens_exactly(backend: CpuBackend) -> None:

@@ -380,8 +380,6 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
   using pagedserve::check_contiguous, pagedserve::check_cpu, pagedserve::check_shape;
   const bool quantized = packed.scalar_type() == at::kChar;
   pagedserve::check_cpu_float(x, "x");
-  TORCH_CHECK_VALUE(quantized || x.scalar_type() == at::kBFloat16, "a packed bfloat16 weight takes bfloat16 x, not ",
-                    c10::getDtypeNames(x.scalar_type()).first);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], not ", x.sizes());
   const int64_t m_len = x.size(0), k_len = x.size(1);
   const int64_t groups = (n_len + kGroup - 1) / kGroup;
@@ -394,6 +392,8 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
   TORCH_CHECK_VALUE(!quantized || k_len < (int64_t{1} << 16), "an int8 x int8 product takes K below 65536, not ",
                     k_len);
   check_cpu(packed, "packed", quantized ? at::kChar : at::kBFloat16);
+  TORCH_CHECK_VALUE(quantized || x.scalar_type() == at::kBFloat16, "a packed bfloat16 weight takes bfloat16 x, not ",
+                    c10::getDtypeNames(x.scalar_type()).first);
   check_shape(packed, "packed", {groups, k_len / step, kGroup, step}, "[", groups, ", ", k_len / step, ", ", kGroup,
               ", ", step, "]");
   check_contiguous(packed, "packed");
@@ -414,6 +414,8 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tens
   const auto xc = x.contiguous();
   const auto bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   auto y = at::empty({m_len, gated ? n_len / 2 : n_len}, x.options());
+  // A step with no row to sample asks the vocabulary projection for none: nothing to split among threads.
+  if (m_len == 0) return y;
   const int64_t items = gated ? groups / 2 : groups;  // gated, each runs gate's group and up's
 #if defined(__x86_64__)
   Operands o{xc.data_ptr(), nullptr, packed.data_ptr(), nullptr, scale ? scale->data_ptr<float>() : nullptr,
