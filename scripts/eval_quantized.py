@@ -1,6 +1,6 @@
 """How close a model in int8 (or bfloat16) stays to the same model in float32, on a fixed set of prompts.
 
-    python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,bfloat16,int8-bfloat16]
+    python scripts/eval_quantized.py [--model DIR] [--tokens 64] [--dtypes int8,int8-weight-only,bfloat16,...]
 
 int8 is int8 weights with float32 activations, int8-bfloat16 the same weights with bfloat16 activations,
 each rounded to int8 a row where the worker would (W8A8: on a CPU with AVX512-VNNI, and AVX512-BF16 for

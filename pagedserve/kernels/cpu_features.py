@@ -134,8 +134,10 @@ def _check_dot_int8(ops: object) -> None:
         packed = pack_linear(QuantizedWeight(data, scale))
         args = (packed.data, packed.scale, packed.sums, bias, n, False, False)
         dot = ops.packed_linear(x, *args)  # type: ignore[attr-defined]
+        # The kernel's float32 operations (a division, then a product by 1 / 127), so that ties round alike.
         top = x.abs().amax(dim=1, keepdim=True)
-        rounded = torch.round(x * (127 / top)) * (top / 127)
+        inverse = torch.full_like(top, 127) / top
+        rounded = torch.round(x * inverse) * (top * torch.tensor(1 / 127, dtype=torch.float32))
         expected = rounded @ (data.float() * scale[:, None]).T + bias
         torch.testing.assert_close(dot, expected, rtol=1e-4, atol=1e-4 * k**0.5)
 

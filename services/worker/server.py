@@ -102,8 +102,10 @@ def kv_namespace(model_id: str, model: CausalLM, quantization: str, kv_dtype: st
     bfloat16 pool differ from those kept whole."""
     dtype = str(model.dtype).removeprefix("torch.")
     precision = dtype
-    if quantization == "int8":
-        precision += "-w8a8" if int8_activations(model.weights) else "-w8a16"
+    if int8_activations(model.weights):  # int8 weights quantized at load or stored so, where vpdpbusd runs
+        precision += "-w8a8"
+    elif quantization == "int8":
+        precision += "-w8a16"
     if kv_dtype != dtype:
         precision += f"-kv-{kv_dtype}"
     return f"{model_id}@{precision}"
@@ -141,7 +143,7 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
     weights = dtype_name
-    if config.quantization == "int8":
+    if config.quantization == "int8" or int8_activations(model.weights):
         weights += ", int8 linear layers"
         if int8_activations(model.weights):
             weights += " times activations rounded to int8 a row"

@@ -103,7 +103,7 @@ def test_int8_runs_exactly_the_model_of_its_rounded_weights(name: str, kernels: 
 def with_stored_weights(hf: PreTrainedModel, folder: Path) -> PreTrainedModel:
     """transformers' model with each linear layer's weight replaced by a checkpoint's stored 8-bit weight
     times its scale. (transformers itself runs such a checkpoint with its activations quantized too, as
-    its scheme says; pagedserve keeps activations in the model's dtype.)"""
+    its scheme says; the backends here keep activations in the model's dtype.)"""
     with safe_open(folder / "model.safetensors", framework="pt") as stored, torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear) and f"{name}.weight_scale" in stored.keys():  # noqa: SIM118

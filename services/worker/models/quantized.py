@@ -15,8 +15,9 @@ widened to float32 (scripts/bench_quantized.py), and costs accuracy (the README'
 A compressed-tensors checkpoint (config.json's quantization_config, quant_method "compressed-tensors")
 loads where each quantized weight is int8 or float8 (e4m3), symmetric, with a scale per output channel or one
 per tensor (`<name>.weight_scale`): the formats llm-compressor writes for W8A8 and FP8 models. Its
-activation settings (dynamic int8 or float8 inputs) are not applied: activations stay in the model's dtype,
-which only removes a rounding. Anything else (4-bit, groups, blocks, zero points) is refused with its reason.
+activation settings (dynamic int8 or float8 inputs) are not read: its int8 weights run as those quantized at
+load do (W8A8 where the CPU backend packs them, weight-only elsewhere), its float8 ones weight-only.
+Anything else (4-bit, groups, blocks, zero points) is refused with its reason.
 """
 
 from __future__ import annotations
