@@ -321,7 +321,7 @@ class CpuBackend(TorchBackend):
         if isinstance(weight, PackedWeight):
             if weight.data.dtype == torch.float32 and x.dtype == torch.float32:
                 return self._ops.packed_float_linear(x, weight.data, bias, weight.rows, False)
-            if x.dtype == torch.bfloat16 or weight.data.dtype == torch.int8:
+            if _packed_linear_takes(x, weight):
                 return self._packed_linear(x, weight, bias, gated=False)
             return super().linear(x, weight, bias)
         if isinstance(weight, QuantizedWeight):
@@ -346,9 +346,7 @@ class CpuBackend(TorchBackend):
             if gate_up.data.dtype == torch.float32 and x.dtype == torch.float32:
                 if gate_up.rows % (2 * self._ops.packed_float_group()) == 0:
                     return self._ops.packed_float_linear(x, gate_up.data, bias, gate_up.rows, True)
-            elif (x.dtype == torch.bfloat16 or gate_up.data.dtype == torch.int8) and gate_up.rows % (
-                2 * PACK_GROUP
-            ) == 0:
+            elif _packed_linear_takes(x, gate_up) and gate_up.rows % (2 * PACK_GROUP) == 0:
                 return self._packed_linear(x, gate_up, bias, gated=True)
         return super().gated_linear(x, gate_up, bias)
 
@@ -447,6 +445,11 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, group: int = PACK_GROUP)
     packed = padded.view(-1, group, k // step, step).permute(0, 2, 1, 3).contiguous()
     sums = 128 * padded.sum(1, dtype=torch.int32) if data.dtype == torch.int8 else None
     return PackedWeight(packed, scale, rows, sums)
+
+
+def _packed_linear_takes(x: torch.Tensor, weight: PackedWeight) -> bool:
+    """packed_linear.cpp multiplies bfloat16 rows by its weights, and float32 rows by int8 ones."""
+    return x.dtype == torch.bfloat16 or weight.data.dtype == torch.int8
 
 
 def _ours(x: torch.Tensor) -> bool:

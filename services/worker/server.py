@@ -143,9 +143,10 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     where = "in-process" if attach is None else f"from the daemon at {config.daemon_address}"
     parameters = f"{spec.num_parameters / 1e6:.0f}M"
     weights = dtype_name
-    if config.quantization == "int8" or int8_activations(model.weights):
+    w8a8 = int8_activations(model.weights)
+    if config.quantization == "int8" or w8a8:
         weights += ", int8 linear layers"
-        if int8_activations(model.weights):
+        if w8a8:
             weights += " times activations rounded to int8 a row"
     log.info(
         "loaded %s (%s, %s parameters) on %s, %s; KV pool of %d pages in %s %s, its pages cached as %r",
