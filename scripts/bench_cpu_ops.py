@@ -1,6 +1,6 @@
 """Benchmark the C++ CPU ops against torch on this machine: the few-row GEMM, then whole decode steps.
 
-    python scripts/bench_cpu_ops.py [--threads 2] [--rows 1,2,4,8,16,32]
+    python scripts/bench_cpu_ops.py [--threads 2] [--rows 1,2,4,8,16,32] [--parts gemm,experts,decode,prefill,steps]
 
 1. GEMMs of SmolLM2-135M's layer shapes, with a separate weight per layer (30 layers, 424 MB) so that they
    stream from memory as in a decode step: MKL's F.linear against skinny_linear and, on the weights packed
@@ -10,9 +10,9 @@
 3. Paged decode attention in bfloat16 over SmolLM2-135M's 30 layers' pools (3 KV heads of 64, 9 query heads,
    480 tokens a sequence on pages of 16 scattered over the pool): the C++ op with its keys scored in float32
    and, where this CPU runs it, with vdpbf16ps; ms for the 30 layers and the K and V bytes read a second.
-4. Paged prefill attention in bfloat16, SmolLM2-135M's shape, prompts of 512 new tokens (1 and 4 of them) on
-   pages of 16: the C++ op with float32 sums, with vdpbf16ps products where this CPU runs them, and on AMX's
-   tiles where they run; ms for 30 layers.
+4. Paged prefill attention, SmolLM2-135M's shape, prompts of 512 new tokens (1 and 4 of them) on pages of
+   16: the C++ op in float32 (queries and pool), then in bfloat16 with float32 sums, with vdpbf16ps products
+   where this CPU runs them, and on AMX's tiles where they run; ms for 30 layers.
 5. Decode steps of the engine on SmolLM2-135M, fp32, with that many sequences (prompts of 64-128 tokens):
    the torch reference backend against the C++ one, median step time.
 Machines are noisy: compare the ratios within one run.
@@ -118,22 +118,23 @@ def bench_decode_attention(ops: ModuleType, rows: list[int], dot_bf16: bool) -> 
 
 def bench_prefill_attention(ops: ModuleType, dot_bf16: bool, amx: bool) -> None:
     page_size, kv_heads, group, dim, prompt = 16, 3, 3, 64, 512
-    ways = {"float32 sums": (False, False)}
+    # The dtype of the queries and the pool, and paged_prefill's (dot_bf16, amx), for each way.
+    ways = {"float32": (torch.float32, False, False), "bfloat16, float32 sums": (torch.bfloat16, False, False)}
     if dot_bf16:
-        ways["vdpbf16ps"] = (True, False)
+        ways["vdpbf16ps"] = (torch.bfloat16, True, False)
     if dot_bf16 and amx:
-        ways["AMX tiles"] = (True, True)
+        ways["AMX tiles"] = (torch.bfloat16, True, True)
     names = " | ".join(f"{name} ms" for name in ways)
     print(f"\n| prompts of {prompt} | {names} |\n|---|{'---|' * len(ways)}")
     for n in (1, 4):
         pages = n * prompt // page_size
-        kv = torch.randn(2, pages, page_size, kv_heads, dim).bfloat16()
+        kv = torch.randn(2, pages, page_size, kv_heads, dim)
         tables = torch.randperm(pages).view(n, pages // n)
         lens, starts = torch.full((n,), prompt), torch.arange(n + 1) * prompt
-        q = torch.randn(n * prompt, kv_heads * group, dim).bfloat16()
+        q = torch.randn(n * prompt, kv_heads * group, dim)
         cells = []
-        for flags in ways.values():
-            args = (q, kv, tables, lens, starts, dim**-0.5, 0, 0.0, None, *flags)
+        for dtype, *flags in ways.values():
+            args = (q.to(dtype), kv.to(dtype), tables, lens, starts, dim**-0.5, 0, 0.0, None, *flags)
             cells.append(f"{1e3 * 30 * seconds(lambda a=args: ops.paged_prefill(*a), 10):.1f}")
         print(f"| {n} | {' | '.join(cells)} |")
 
@@ -173,11 +174,18 @@ def bench_steps(backends: dict[str, KernelBackend], rows: list[int]) -> None:
         print(f"| {n} | {' | '.join(f'{t:.1f}' for t in ms)} | {ms[0] / ms[-1]:.2f}x |")
 
 
+PARTS = ("gemm", "experts", "decode", "prefill", "steps")  # the tables above, in order
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps torch's choice")
     parser.add_argument("--rows", default="1,2,4,8,16,32")
+    parser.add_argument("--parts", default=",".join(PARTS), help="which of the tables above to run")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -186,12 +194,17 @@ def main() -> int:
         print("the C++ CPU ops could not be built here", file=sys.stderr)
         return 1
     print(f"{torch.get_num_threads()} threads\n")
-    bench_gemms(ops, rows)
-    bench_experts(ops, rows)
     features = cpu_features()
-    bench_decode_attention(ops, rows, features.avx512_bf16.usable)
-    bench_prefill_attention(ops, features.avx512_bf16.usable, features.amx_bf16.usable)
-    bench_steps({"torch": TorchBackend(), "cpu": CpuBackend(ops)}, rows)
+    if "gemm" in parts:
+        bench_gemms(ops, rows)
+    if "experts" in parts:
+        bench_experts(ops, rows)
+    if "decode" in parts:
+        bench_decode_attention(ops, rows, features.avx512_bf16.usable)
+    if "prefill" in parts:
+        bench_prefill_attention(ops, features.avx512_bf16.usable, features.amx_bf16.usable)
+    if "steps" in parts:
+        bench_steps({"torch": TorchBackend(), "cpu": CpuBackend(ops)}, rows)
     return 0
 
 

@@ -178,17 +178,21 @@ def test_prefill_windows_softcaps_and_sinks_read_nothing_before_the_window(
 
 
 @pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window"])
-@pytest.mark.parametrize("head_dim", [32, 96, 256])
-def test_bfloat16_prefills_of_many_key_steps_match_the_reference(head_dim: int, windowed: bool) -> None:
-    """Where the CPU multiplies bfloat16 pairs, the prefill takes keys 128 at a time: chunks over several
-    such steps, heads of one, three and eight of 32 columns (a tile's, or a vector of pairs'), a window whose
-    first key lies past the first step (so the keys it copies start there), and a task of 16 tokens across a
-    step's edge, whose rows before it see none of the next step's keys."""
+@pytest.mark.parametrize("head_dim", [32, 72, 96, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_prefills_of_many_key_steps_match_the_reference(
+    dtype: torch.dtype, head_dim: int, windowed: bool
+) -> None:
+    """The prefill takes keys 128 at a time: chunks over several such steps, a window whose first key lies
+    past the first step (so the keys it copies start there), and a task of 16 tokens across a step's edge,
+    whose rows before it see none of the next step's keys. Heads of one, three and eight of 32 columns (a
+    tile's, or a vector of bfloat16 pairs', where the CPU multiplies them), and of 72, which is no whole
+    number of vectors: the float32 products take an output's columns four vectors at a time, then fewer."""
     layer = LayerAttention(head_dim**-0.5, window=100 if windowed else 0)
     chunks = [(150, 150), (0, 260), (290, 5)]
-    actuals, expected = run_attention(head_dim, [77], chunks, 32, head_dim, 3, torch.bfloat16, layer)
+    actuals, expected = run_attention(head_dim, [77], chunks, 32, head_dim, 3, dtype, layer)
     for actual in actuals:
-        assert_close(actual, expected, torch.bfloat16)
+        assert_close(actual, expected, dtype)
 
 
 def bfloat16_prefill_paths() -> dict[str, tuple[bool, bool]]:
