@@ -85,7 +85,8 @@ void for_each_key(const T* k_data, const T* v_data, const int64_t* table, const 
 // One (sequence, KV head)'s keys, widened to float32 once for all its tasks, in the products' layouts: K
 // transposed, [D, keys], so that a row's scores against consecutive keys are vectors of FMAs with no
 // horizontal sums; V as [keys, columns], its rows D rounded up to whole vectors. Every key outside [first key
-// seen, length) and every column past D is zero, so a slot never read stays unread.
+// seen, length) and every column past D is zero, so a slot never read stays unread. They live for one call:
+// one layer's K and V of the sequences prefilled, in float32, a fraction of what the pool holds for them.
 struct FloatOperands {
   std::vector<float> k, v;
   int64_t base = 0, keys = 0, columns = 0;  // key positions [base, base + keys), base a multiple of kStepKeys
