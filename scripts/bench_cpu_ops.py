@@ -1,6 +1,7 @@
 """Benchmark the C++ CPU ops against torch on this machine: the few-row GEMM, then whole decode steps.
 
-    python scripts/bench_cpu_ops.py [--threads 2] [--rows 1,2,4,8,16,32] [--parts gemm,experts,decode,prefill,steps]
+    python scripts/bench_cpu_ops.py [--threads 2] [--rows 1,2,4,8,16,32]
+        [--parts gemm,experts,decode,prefill,steps]
 
 1. GEMMs of SmolLM2-135M's layer shapes, with a separate weight per layer (30 layers, 424 MB) so that they
    stream from memory as in a decode step: MKL's F.linear against skinny_linear and, on the weights packed
@@ -119,7 +120,10 @@ def bench_decode_attention(ops: ModuleType, rows: list[int], dot_bf16: bool) -> 
 def bench_prefill_attention(ops: ModuleType, dot_bf16: bool, amx: bool) -> None:
     page_size, kv_heads, group, dim, prompt = 16, 3, 3, 64, 512
     # The dtype of the queries and the pool, and paged_prefill's (dot_bf16, amx), for each way.
-    ways = {"float32": (torch.float32, False, False), "bfloat16, float32 sums": (torch.bfloat16, False, False)}
+    ways = {
+        "float32": (torch.float32, False, False),
+        "bfloat16, float32 sums": (torch.bfloat16, False, False),
+    }
     if dot_bf16:
         ways["vdpbf16ps"] = (torch.bfloat16, True, False)
     if dot_bf16 and amx:
