@@ -51,24 +51,28 @@ inline float score_of(float dot, float factor, float softcap) {
 
 
 constexpr int64_t kPrefetchPages = 2;  // how far ahead of the page being read the next pages are asked for
+constexpr int64_t kRunRows = 4;        // the rows of a run, where the body does not ask for more
 
-// The tokens [lo, len) of a sequence as runs that lie in one page each: body(token, count, page's first row).
-// The hardware's prefetchers do not follow a block table, and without help a thread spent most of its time
-// waiting for each page (scripts/bench_cpu_ops.py times the op): so the rows of the page kPrefetchPages ahead are asked
-// for into L2 (prefetcht2) before each run. Into L1 (prefetcht0), or one page ahead, was slower.
-template <typename T, typename Body>
+// The tokens [lo, len) of a sequence as runs of up to kRows that lie in one page each: body(token, count, the
+// run's first row). The hardware's prefetchers do not follow a block table, and without help a thread spent
+// most of its time waiting for each page (scripts/bench_cpu_ops.py times the op): so before each run the same
+// rows of the page kPrefetchPages ahead are asked for into L2 (prefetcht2). A page's rows all at once, before
+// its first run, filled the core's miss buffers: `perf annotate` put a third of the scores' samples and nearly
+// all of the values' page walk on the instruction after the prefetches. Into L1 (prefetcht0), or one page
+// ahead, was slower.
+template <int64_t kRows = kRunRows, typename T, typename Body>
 void for_each_run(const int64_t* table, int64_t lo, int64_t len, int64_t page_size, int64_t pages,
                   int64_t row_stride, const T* data, Body&& body) {
   for (int64_t first = lo; first < len;) {
     const int64_t page = table[first / page_size], offset = first % page_size;
     TORCH_CHECK(page >= 0 && page < pages, "block_tables holds page ", page, ", outside the pool");
-    const int64_t count = std::min(page_size - offset, len - first);
-    const int64_t ahead = (first / page_size + kPrefetchPages) * page_size;
+    const int64_t count = std::min({page_size - offset, len - first, kRows});
+    const int64_t ahead = first + kPrefetchPages * page_size;  // the same slot, pages ahead
     if (ahead < len) {
       const int64_t later = table[ahead / page_size];
       if (later >= 0 && later < pages) {  // else its own run refuses it
-        const T* rows = data + later * page_size * row_stride;
-        const int64_t elements = std::min(page_size, len - ahead) * row_stride;
+        const T* rows = data + (later * page_size + offset) * row_stride;
+        const int64_t elements = std::min(count, len - ahead) * row_stride;
         for (int64_t e = 0; e < elements; e += 64 / sizeof(T)) __builtin_prefetch(rows + e, 0, 1);
       }
     }
@@ -161,34 +165,36 @@ DOT_BF16_TARGET void scores_of_bf16(const Task<bf16>& t, const bf16* q, float fa
   constexpr int64_t kChunks = kDim / 32;
   const int64_t span = t.span();
   // The lambda names the target itself: GCC does not pass a function's target to the lambdas inside it.
-  for_each_run(t.table, t.lo, t.len, t.page_size, t.pages, t.row_stride(), t.k_data,
-               [&](int64_t first, int64_t count, const bf16* base) DOT_BF16_TARGET {
-                 for (int64_t h = t.h0; h < t.h1; ++h) {
-                   for (int64_t g = 0; g < t.group; ++g) {
-                     const int64_t r = (h - t.h0) * t.group + g;
-                     __m512bh query[kChunks];
-                     for (int64_t c = 0; c < kChunks; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q + r * kDim + 32 * c);
-                     float* row = scores + r * span + (first - t.lo);
-                     for (int64_t i0 = 0; i0 < count; i0 += 16) {
-                       const int64_t keys = std::min<int64_t>(16, count - i0);
-                       __m512 dots[16];
-                       for (int64_t i = 0; i < 16; ++i) {
-                         dots[i] = _mm512_setzero_ps();
-                         if (i >= keys) continue;
-                         const bf16* key = base + (i0 + i) * t.row_stride() + h * kDim;
-                         for (int64_t c = 0; c < kChunks; ++c) {
-                           dots[i] = _mm512_dpbf16_ps(dots[i], query[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-                         }
+  for_each_run<16>(t.table, t.lo, t.len, t.page_size, t.pages, t.row_stride(), t.k_data,
+                   [&](int64_t first, int64_t count, const bf16* base) DOT_BF16_TARGET {
+                   for (int64_t h = t.h0; h < t.h1; ++h) {
+                     for (int64_t g = 0; g < t.group; ++g) {
+                       const int64_t r = (h - t.h0) * t.group + g;
+                       __m512bh query[kChunks];
+                       for (int64_t c = 0; c < kChunks; ++c) {
+                         query[c] = (__m512bh)_mm512_loadu_si512(q + r * kDim + 32 * c);
                        }
-                       const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(dots), _mm512_set1_ps(factor));
-                       _mm512_mask_storeu_ps(row + i0, __mmask16((1u << keys) - 1), sums);
-                       if (softcap > 0.0f) {
-                         for (int64_t i = 0; i < keys; ++i) row[i0 + i] = softcap * std::tanh(row[i0 + i] / softcap);
+                       float* row = scores + r * span + (first - t.lo);
+                       for (int64_t i0 = 0; i0 < count; i0 += 16) {
+                         const int64_t keys = std::min<int64_t>(16, count - i0);
+                         __m512 dots[16];
+                         for (int64_t i = 0; i < 16; ++i) {
+                           dots[i] = _mm512_setzero_ps();
+                           if (i >= keys) continue;
+                           const bf16* key = base + (i0 + i) * t.row_stride() + h * kDim;
+                           for (int64_t c = 0; c < kChunks; ++c) {
+                             dots[i] = _mm512_dpbf16_ps(dots[i], query[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+                           }
+                         }
+                         const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(dots), _mm512_set1_ps(factor));
+                         _mm512_mask_storeu_ps(row + i0, __mmask16((1u << keys) - 1), sums);
+                         if (softcap > 0.0f) {
+                           for (int64_t i = 0; i < keys; ++i) row[i0 + i] = softcap * std::tanh(row[i0 + i] / softcap);
+                         }
                        }
                      }
                    }
-                 }
-               });
+                 });
 }
 #endif
 
