@@ -164,7 +164,8 @@ DOT_BF16_TARGET void scores_of_bf16(const Task<bf16>& t, const bf16* q, float fa
                                     float* scores) {
   constexpr int64_t kChunks = kDim / 32;
   const int64_t span = t.span();
-  // The lambda names the target itself: GCC does not pass a function's target to the lambdas inside it.
+  // Runs of 16 rows, the keys summed across their lanes together. The lambda names the target itself: GCC
+  // does not pass a function's target to the lambdas inside it.
   for_each_run<16>(t.table, t.lo, t.len, t.page_size, t.pages, t.row_stride(), t.k_data,
                    [&](int64_t first, int64_t count, const bf16* base) DOT_BF16_TARGET {
                    for (int64_t h = t.h0; h < t.h1; ++h) {
