@@ -31,6 +31,7 @@
 #include <cstring>
 #include <numeric>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -68,6 +69,24 @@ inline int64_t first_key(int64_t p, int64_t window) { return window > 0 ? std::m
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// The first key of the step of kStepKeys keys that holds key j.
+inline int64_t step_of(int64_t j) { return j / kStepKeys * kStepKeys; }
+
+// The keys [lo, hi) among a step's `keys` from k0 that a query at position p sees (none where lo >= hi).
+inline std::pair<int64_t, int64_t> seen_in_step(int64_t p, int64_t k0, int64_t keys, int64_t window) {
+  return {std::max<int64_t>(first_key(p, window) - k0, 0), std::min(p + 1 - k0, keys)};
+}
+
+// The key positions [base, base + keys) that one (sequence, KV head)'s copied operands hold: whole steps,
+// from the one that holds lo to len.
+struct KeySpan {
+  int64_t base = 0, keys = 0;
+  void cover(int64_t lo, int64_t len) {
+    base = step_of(lo);
+    keys = round_up(len - base, kStepKeys);
+  }
+};
+
 // Calls take(j, key, value) for each sequence position [lo, len) of KV head h, j its index from base: the
 // rows one (sequence, KV head)'s tasks read, found in the pages of its table.
 template <typename T, typename Take>
@@ -87,17 +106,16 @@ void for_each_key(const T* k_data, const T* v_data, const int64_t* table, const 
 // horizontal sums; V as [keys, columns], its rows D rounded up to whole vectors. Every key outside [first key
 // seen, length) and every column past D is zero, so a slot never read stays unread. They live for one call:
 // one layer's K and V of the sequences prefilled, in float32, a fraction of what the pool holds for them.
-struct FloatOperands {
+struct FloatOperands : KeySpan {
   std::vector<float> k, v;
-  int64_t base = 0, keys = 0, columns = 0;  // key positions [base, base + keys), base a multiple of kStepKeys
+  int64_t columns = 0;
 };
 
 template <typename T>
 void gather_float_operands(const T* k_data, const T* v_data, const int64_t* table, const Shape& s, int64_t lo,
                            int64_t len, int64_t h, FloatOperands& o) {
   const int64_t dim = s.dim;
-  o.base = lo / kStepKeys * kStepKeys;
-  o.keys = round_up(len - o.base, kStepKeys);
+  o.cover(lo, len);
   o.columns = round_up(dim, kLanes);
   o.k.assign(dim * o.keys, 0.0f);
   o.v.assign(o.keys * o.columns, 0.0f);
@@ -138,12 +156,11 @@ class Block {
       }
     }
     const int64_t first_pos = cached + task.first, last_pos = first_pos + task.count - 1;
-    for (int64_t k0 = first_key(first_pos, s_.window) / kStepKeys * kStepKeys; k0 <= last_pos; k0 += kStepKeys) {
+    for (int64_t k0 = step_of(first_key(first_pos, s_.window)); k0 <= last_pos; k0 += kStepKeys) {
       const int64_t keys = std::min(kStepKeys, last_pos + 1 - k0);  // those any row of the task sees
       score(o, k0 - o.base, keys, padded);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t p = first_pos + r / group;  // the row's token's position
-        const int64_t lo = std::max<int64_t>(first_key(p, s_.window) - k0, 0), hi = std::min(p + 1 - k0, keys);
+        const auto [lo, hi] = seen_in_step(first_pos + r / group, k0, keys, s_.window);  // r's token's keys
         softmax(r, lo, hi, keys);
       }
       accumulate(o, k0 - o.base, keys, padded);
@@ -306,17 +323,15 @@ DOT_BF16_TARGET inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-struct Operands {
+struct Operands : KeySpan {
   std::vector<uint16_t> k, v;  // bfloat16 bits: [D / 2, keys, 2] and [keys / 2, D, 2]
-  int64_t base = 0, keys = 0;  // key positions [base, base + keys), base a multiple of kStepKeys
 };
 
 // Sequence positions [lo, len) of KV head h into o; the rest of o's keys zero.
 void gather_operands(const bf16* k_data, const bf16* v_data, const int64_t* table, const Shape& s, int64_t lo,
                      int64_t len, int64_t h, Operands& o) {
   const int64_t dim = s.dim;
-  o.base = lo / kStepKeys * kStepKeys;
-  o.keys = round_up(len - o.base, kStepKeys);
+  o.cover(lo, len);
   o.k.assign(dim * o.keys, 0);
   o.v.assign(o.keys * dim, 0);
   for_each_key(k_data, v_data, table, s, lo, len, h, o.base, [&](int64_t j, const bf16* key, const bf16* value) {
@@ -351,7 +366,7 @@ class Bf16Block {
       }
     }
     const int64_t first_pos = cached + task.first, last_pos = first_pos + task.count - 1;
-    for (int64_t k0 = first_key(first_pos, s_.window) / kStepKeys * kStepKeys; k0 <= last_pos; k0 += kStepKeys) {
+    for (int64_t k0 = step_of(first_key(first_pos, s_.window)); k0 <= last_pos; k0 += kStepKeys) {
       const int64_t keys = std::min(kStepKeys, last_pos + 1 - k0);  // those any row of the task sees
       if (tiles_) {
         score_tiles(o, k0 - o.base, keys, padded);
@@ -359,8 +374,7 @@ class Bf16Block {
         score_vectors(o, k0 - o.base, keys, padded);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t p = first_pos + r / group;
-        const int64_t lo = std::max<int64_t>(first_key(p, s_.window) - k0, 0), hi = std::min(p + 1 - k0, keys);
+        const auto [lo, hi] = seen_in_step(first_pos + r / group, k0, keys, s_.window);
         update(r, lo, hi);
       }
       if (tiles_) {
