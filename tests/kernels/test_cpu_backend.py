@@ -208,11 +208,11 @@ def bfloat16_prefill_paths() -> dict[str, tuple[bool, bool]]:
 def test_the_bfloat16_prefill_products_round_as_the_float32_path_does() -> None:
     """Where this CPU runs AVX512-BF16 (and AMX's tiles, where they run), a bfloat16 prefill's two products
     multiply bfloat16 pairs, P as two bfloat16 halves, so that the output before the last rounding is the
-    float32 path's to float32's: the same bfloat16 but where a value lies at a rounding boundary (0.09% of
-    them here, on the tiles), and never further than a step of bfloat16 at its row's scale. P rounded once to
-    bfloat16 was within bfloat16's tolerance, yet it moved a real model's greedy token at a near-tie;
-    emulated in float64 on these inputs, it changes 17% of the outputs. The backend takes the fastest of
-    them."""
+    float32 path's to about float32's: the same bfloat16 but where a value lies at a rounding boundary (0.16%
+    of them here with vdpbf16ps on a Zen 4), and never further than a step of bfloat16 at its row's scale. P
+    rounded once to bfloat16 was within bfloat16's tolerance, yet it moved a real model's greedy token at a
+    near-tie; emulated in float64 on these inputs, it changes 17% of the outputs. The backend takes the
+    fastest of them."""
     found = cpu_features()
     ways = bfloat16_prefill_paths()
     if not ways:  # no bfloat16 products here: one path only

@@ -289,10 +289,10 @@ class Block {
 // Where the queries and the pool are both bfloat16 and the CPU multiplies bfloat16 pairs (AVX512-BF16, and
 // AMX's tiles where they run), Bf16Block takes the tasks: its two products, S = Q K^T and acc += P V, are
 // float32 sums of bfloat16 products, on the tiles or with vdpbf16ps. Q, K and V are bfloat16 already, so only
-// P would round: it is split into a bfloat16 and the bfloat16 of what that leaves (P = hi + lo to about 16
-// bits), and both halves are multiplied, so that the output is what the float32 path computes, to float32's
-// rounding. (With P rounded once, as FlashAttention does on a GPU, a build's last bits moved SmolLM2's first
-// token at a near-tie of its chat prompt, 'The' -1.88 against 'L' -1.97 in float32.)
+// P would round: it is split into the bfloat16 it truncates to and the bfloat16 of what that leaves (P = hi +
+// lo to 2^-16 of it), and both halves are multiplied, so that the output is what the float32 path computes,
+// to about float32's rounding. (With P rounded once, as FlashAttention does on a GPU, a build's last bits
+// moved SmolLM2's first token at a near-tie of its chat prompt, 'The' -1.88 against 'L' -1.97 in float32.)
 //
 // Both products take their right operand with pairs of consecutive k side by side, so each (sequence, KV
 // head)'s keys are first copied once into that form (Operands): K as [D / 2, keys, 2] (pairs of dims) and V
@@ -300,20 +300,19 @@ class Block {
 // read stays unread. The softmax runs on AVX-512 between the products, up to kStepKeys keys a row at a time
 // (four of P's tiles of 32 columns).
 constexpr int64_t kVectorRows = 4;  // rows the vdpbf16ps products take at a time: 16 registers of sums
+constexpr float kLog2e = 1.44269504f;
 
-// e^x for x <= 0 (and lanes of -inf-like values): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
-// r^6 (relative error below 2e-7), times 2^n.
-DOT_BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+// 2^t for t <= 0 in the lanes of `seen`, zero in the others: t = n + f, |f| <= 1/2, 2^f by a polynomial of
+// degree 5 fitted to it there (relative error below 2.2e-7 in float32), times 2^n. t below -126 gives 2^-126.
+DOT_BF16_TARGET inline __m512 exp2_nonpositive(__mmask16 seen, __m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.32669706e-3f);
+  for (const float c : {9.67545994e-3f, 5.55074252e-2f, 2.40221217e-1f, 6.93146944e-1f, 1.00000012f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   }
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(seen, p, n);
 }
 
 // The bfloat16 pair at p (two consecutive values) in every 32-bit lane: a row's operand for vdpbf16ps.
@@ -459,35 +458,59 @@ class Bf16Block {
   }
 
   // Row r's running max, sum and output rescaled after its scores against the step's keys [lo, hi), and its
-  // weights in probs_ as their two halves (zero outside [lo, hi)), 16 keys a vector.
+  // weights in probs_ as their two halves (zero outside [lo, hi)), 32 keys at a time: the scores' row holds
+  // kStepKeys, so the keys past hi up to a multiple of 32 are there to read, and masked off.
   DOT_BF16_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
     uint16_t* high = probs_.data() + r * kStepKeys;
     uint16_t* low = high + probs_.size() / 2;
-    std::fill_n(high, kStepKeys, 0);
-    std::fill_n(low, kStepKeys, 0);
-    if (lo >= hi) return;  // this token sees none of the step's keys
+    if (lo >= hi) {  // this token sees none of the step's keys
+      std::fill_n(high, kStepKeys, 0);
+      std::fill_n(low, kStepKeys, 0);
+      return;
+    }
+    const int64_t first = lo / 32 * 32, end = round_up(hi, 32);  // the weights written below
+    for (int64_t j = 0; j < kStepKeys; j += 32) {
+      if (j < first || j >= end) {
+        _mm512_storeu_si512(high + j, _mm512_setzero_si512());
+        _mm512_storeu_si512(low + j, _mm512_setzero_si512());
+      }
+    }
     float* row = scores_.data() + r * kStepKeys;
     if (s_.softcap > 0.0f) {
       for (int64_t j = lo; j < hi; ++j) row[j] = s_.softcap * std::tanh(row[j] * s_.scale / s_.softcap) / s_.scale;
     }
-    const auto seen = [&](int64_t j) {  // the lanes of keys [j, j + 16) in [lo, hi)
-      const int64_t from = std::clamp<int64_t>(lo - j, 0, 16), to = std::clamp<int64_t>(hi - j, 0, 16);
-      return static_cast<__mmask16>((1u << to) - (1u << from));
+    // The lanes of keys [j, j + 16) in [lo, hi), as two comparisons of their indices. (GCC does not pass a
+    // function's target to the lambdas inside it.)
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i from = _mm512_set1_epi32(static_cast<int32_t>(lo)), to = _mm512_set1_epi32(static_cast<int32_t>(hi));
+    const auto seen = [&](int64_t j) DOT_BF16_TARGET {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j)));
+      return _mm512_mask_cmplt_epi32_mask(_mm512_cmpge_epi32_mask(key, from), key, to);
     };
-    const int64_t first = lo / 16 * 16;
-    __m512 top = _mm512_set1_ps(-1e30f);
-    for (int64_t j = first; j < hi; j += 16) top = _mm512_mask_max_ps(top, seen(j), top, _mm512_loadu_ps(row + j));
-    const float was = top_[r], now = std::max(was, _mm512_reduce_max_ps(top) * s_.scale);
-    const __m512 scale = _mm512_set1_ps(s_.scale), shift = _mm512_set1_ps(now);
+    __m512 top[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)};  // two chains of maxes, not one
+    for (int64_t j = first; j < end; j += 32) {
+      for (int v = 0; v < 2; ++v) {
+        top[v] = _mm512_mask_max_ps(top[v], seen(j + 16 * v), top[v], _mm512_loadu_ps(row + j + 16 * v));
+      }
+    }
+    const float was = top_[r], now = std::max(was, _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1])) * s_.scale);
+    // A weight is e^x = 2^(x log2(e)), x = score * scale - now, which the FMA rounds once.
+    const __m512 scale = _mm512_set1_ps(s_.scale), shift = _mm512_set1_ps(now), log2e = _mm512_set1_ps(kLog2e);
+    // A weight's high half is its first 8 significant bits (the bfloat16 it truncates to), and its low half
+    // the bfloat16 of the rest, exact in float32: hi + lo is the weight to 2^-16 of it.
+    const __m512i truncate = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = first; j < hi; j += 16) {
-      const __m512 shifted = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale, shift);
-      const __m512 e = _mm512_maskz_mov_ps(seen(j), exp_nonpositive(shifted));
-      sum = _mm512_add_ps(sum, e);
-      const __m256i e_high = (__m256i)_mm512_cvtneps_pbh(e);
-      const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e_high), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + j), e_high);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, widened)));
+    for (int64_t j = first; j < end; j += 32) {
+      __m512 e[2], e_high[2];
+      for (int v = 0; v < 2; ++v) {
+        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16 * v), scale, shift);
+        e[v] = exp2_nonpositive(seen(j + 16 * v), _mm512_mul_ps(x, log2e));
+        sum = _mm512_add_ps(sum, e[v]);
+        e_high[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e[v]), truncate));
+      }
+      _mm512_storeu_si512(high + j, (__m512i)_mm512_cvtne2ps_pbh(e_high[1], e_high[0]));
+      _mm512_storeu_si512(low + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(e[1], e_high[1]),
+                                                                  _mm512_sub_ps(e[0], e_high[0])));
     }
     const float rescale = std::exp(was - now);
     top_[r] = now;
