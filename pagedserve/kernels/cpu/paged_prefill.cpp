@@ -87,19 +87,37 @@ struct KeySpan {
   }
 };
 
-// Calls take(j, key, value) for each sequence position [lo, len) of KV head h, j its index from base: the
-// rows one (sequence, KV head)'s tasks read, found in the pages of its table.
-template <typename T, typename Take>
-void for_each_key(const T* k_data, const T* v_data, const int64_t* table, const Shape& s, int64_t lo, int64_t len,
-                  int64_t h, int64_t base, Take&& take) {
-  const int64_t row_stride = s.kv_heads * s.dim;
-  for (int64_t pos = lo; pos < len; ++pos) {
-    const int64_t page = table[pos / s.page_size];
-    TORCH_CHECK(page >= 0 && page < s.pages, "block_tables holds page ", page, ", outside the pool");
-    const int64_t at = (page * s.page_size + pos % s.page_size) * row_stride + h * s.dim;
-    take(pos - base, k_data + at, v_data + at);
+// The K and V rows of KV head h that one (sequence, KV head)'s tasks read, found in the pages of its table:
+// k[j] and v[j] for the sequence position span.base + j, j in [0, span.keys); a row of zeros for a position
+// outside [lo, len). The operands' copies take them a block of kCopyKeys keys at a time, [first_block, end),
+// so that each dim's (or pair's) stores into K's transposed layout are consecutive. A key's stores there, a
+// power of two apart, took the op 3-6% longer on a Zen 4 (both builds timed in one process); on the AMX
+// Xeon those copies, with Q's and the tasks' setup, were about 0.8 of 3.5-4.5 ms a layer.
+constexpr int64_t kCopyKeys = 16;
+
+template <typename T>
+struct KeyRows {
+  std::vector<T> zeros;
+  std::vector<const T*> k, v;
+  int64_t first_block, end;
+
+  KeyRows(const T* k_data, const T* v_data, const int64_t* table, const Shape& s, const KeySpan& span, int64_t lo,
+          int64_t len, int64_t h)
+      : zeros(s.dim, T(0.0f)),
+        k(span.keys, zeros.data()),
+        v(span.keys, zeros.data()),
+        first_block((lo - span.base) / kCopyKeys * kCopyKeys),
+        end(len - span.base) {
+    const int64_t row_stride = s.kv_heads * s.dim;
+    for (int64_t pos = lo; pos < len; ++pos) {
+      const int64_t page = table[pos / s.page_size];
+      TORCH_CHECK(page >= 0 && page < s.pages, "block_tables holds page ", page, ", outside the pool");
+      const int64_t at = (page * s.page_size + pos % s.page_size) * row_stride + h * s.dim;
+      k[pos - span.base] = k_data + at;
+      v[pos - span.base] = v_data + at;
+    }
   }
-}
+};
 
 // One (sequence, KV head)'s keys, widened to float32 once for all its tasks, in the products' layouts: K
 // transposed, [D, keys], so that a row's scores against consecutive keys are vectors of FMAs with no
@@ -119,10 +137,16 @@ void gather_float_operands(const T* k_data, const T* v_data, const int64_t* tabl
   o.columns = round_up(dim, kLanes);
   o.k.assign(dim * o.keys, 0.0f);
   o.v.assign(o.keys * o.columns, 0.0f);
-  for_each_key(k_data, v_data, table, s, lo, len, h, o.base, [&](int64_t j, const T* key, const T* value) {
-    for (int64_t d = 0; d < dim; ++d) o.k[d * o.keys + j] = to_float(key[d]);
-    for (int64_t d = 0; d < dim; ++d) o.v[j * o.columns + d] = to_float(value[d]);
-  });
+  const KeyRows<T> rows(k_data, v_data, table, s, o, lo, len, h);
+  for (int64_t j0 = rows.first_block; j0 < rows.end; j0 += kCopyKeys) {
+    for (int64_t d = 0; d < dim; ++d) {
+      float* to = o.k.data() + d * o.keys + j0;
+      for (int64_t i = 0; i < kCopyKeys; ++i) to[i] = to_float(rows.k[j0 + i][d]);
+    }
+    for (int64_t j = j0; j < j0 + kCopyKeys; ++j) {
+      for (int64_t d = 0; d < dim; ++d) o.v[j * o.columns + d] = to_float(rows.v[j][d]);
+    }
+  }
 }
 
 // A task in float32: S = Q K^T a step of kStepKeys keys at a time, the softmax of each row's scores (a running
@@ -326,72 +350,24 @@ struct Operands : KeySpan {
   std::vector<uint16_t> k, v;  // bfloat16 bits: [D / 2, keys, 2] and [keys / 2, D, 2]
 };
 
-// The 16 x 16 32-bit values of rows r, transposed in place: four rounds of unpacks and shuffles.
-DOT_BF16_TARGET inline void transpose_16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // each 128-bit block of r[i + k]: column 4 block + k of rows i .. i + 3
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i even = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), odd = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
-    const __m512i even2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    const __m512i odd2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
-    t[k] = _mm512_shuffle_i32x4(even, even2, 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(odd, odd2, 0x88);
-    t[8 + k] = _mm512_shuffle_i32x4(even, even2, 0xDD);
-    t[12 + k] = _mm512_shuffle_i32x4(odd, odd2, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// Sequence positions [lo, len) of KV head h into o; the rest of o's keys zero. 16 keys at a time: K's pairs
-// of dims 16 x 16 transposes of 32-bit values, V's rows interleaved two by two, a vector of 32 values each.
-// Element by element, with K's stores a power of two apart, the copies took about 0.8 of 3.5-4.5 ms a layer
-// on the AMX Xeon (with Q's and the tasks' setup), and 4 prompts of 512 through 30 layers took 3-6% longer on
-// a Zen 4 (both builds timed in one process).
-DOT_BF16_TARGET void gather_operands(const bf16* k_data, const bf16* v_data, const int64_t* table, const Shape& s,
-                                     int64_t lo, int64_t len, int64_t h, Operands& o) {
+// Sequence positions [lo, len) of KV head h into o; the rest of o's keys zero.
+void gather_operands(const bf16* k_data, const bf16* v_data, const int64_t* table, const Shape& s, int64_t lo,
+                     int64_t len, int64_t h, Operands& o) {
   const int64_t dim = s.dim;
   o.cover(lo, len);
   o.k.assign(dim * o.keys, 0);
   o.v.assign(o.keys * dim, 0);
-  const std::vector<bf16> zeros(dim, bf16(0.0f));
-  std::vector<const bf16*> keys(o.keys, zeros.data()), values(o.keys, zeros.data());  // each key's row
-  for_each_key(k_data, v_data, table, s, lo, len, h, o.base, [&](int64_t j, const bf16* key, const bf16* value) {
-    keys[j] = key;
-    values[j] = value;
-  });
-  // The first key of each pair in the low half's lanes, the second in the high half's: V's pairs of keys
-  __m512i first_half, second_half;
-  {
-    alignas(64) int16_t low[32], high[32];
-    for (int e = 0; e < 32; ++e) {
-      low[e] = static_cast<int16_t>((e % 2) * 32 + e / 2);
-      high[e] = static_cast<int16_t>((e % 2) * 32 + 16 + e / 2);
+  const KeyRows<bf16> rows(k_data, v_data, table, s, o, lo, len, h);
+  for (int64_t j0 = rows.first_block; j0 < rows.end; j0 += kCopyKeys) {
+    for (int64_t p = 0; p < dim / 2; ++p) {  // K's pair of dims p, 32 bits a key
+      uint32_t* to = reinterpret_cast<uint32_t*>(o.k.data()) + p * o.keys + j0;
+      for (int64_t i = 0; i < kCopyKeys; ++i) std::memcpy(to + i, rows.k[j0 + i] + 2 * p, sizeof *to);
     }
-    first_half = _mm512_load_si512(low);
-    second_half = _mm512_load_si512(high);
-  }
-  for (int64_t j0 = (lo - o.base) / 16 * 16; j0 < len - o.base; j0 += 16) {
-    for (int64_t p0 = 0; p0 < dim / 2; p0 += 16) {  // pairs of dims p0 .. p0 + 15 of the 16 keys
-      __m512i rows[16];
-      for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_si512(keys[j0 + i] + 2 * p0);
-      transpose_16x16(rows);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(o.k.data() + ((p0 + p) * o.keys + j0) * 2, rows[p]);
-    }
-    for (int64_t j = j0; j < j0 + 16; j += 2) {
+    for (int64_t j = j0; j < j0 + kCopyKeys; j += 2) {  // V's pairs of keys, interleaved
       uint16_t* to = o.v.data() + j / 2 * dim * 2;
-      for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-        const __m512i a = _mm512_loadu_si512(values[j] + d0), b = _mm512_loadu_si512(values[j + 1] + d0);
-        _mm512_storeu_si512(to + 2 * d0, _mm512_permutex2var_epi16(a, first_half, b));
-        _mm512_storeu_si512(to + 2 * d0 + 32, _mm512_permutex2var_epi16(a, second_half, b));
+      for (int64_t d = 0; d < dim; ++d) {
+        to[2 * d] = rows.v[j][d].x;
+        to[2 * d + 1] = rows.v[j + 1][d].x;
       }
     }
   }
