@@ -45,6 +45,15 @@ def rotary_args() -> Args:
     }
 
 
+def write_kv_args() -> Args:
+    return {
+        "kv_layer": torch.randn(2, 8, 4, HKV, D),
+        "k": torch.randn(T, HKV, D),
+        "v": torch.randn(T, HKV, D),
+        "slot_mapping": torch.arange(T),
+    }
+
+
 def silu_args() -> Args:
     return {"x": torch.randn(T, 2 * H)}
 
@@ -156,6 +165,30 @@ CASES: list[tuple[str, Args, str]] = [
         r"q's head dim must be even, not 33",
     ),
     ("rotary", {"q": torch.randn(T, D, HQ).transpose(1, 2)}, r"q must have a contiguous last dimension"),
+    (
+        "write_kv",
+        {"kv_layer": torch.randn(3, 8, 4, HKV, D)},
+        r"kv_layer must be \[2, P, B, Hkv, D\], not \[3, 8, 4, 2, 32\]",
+    ),
+    (
+        "write_kv",
+        {"kv_layer": torch.randn(2, 8, 4, HKV, D, dtype=F64)},
+        r"kv_layer must be float32 or bfloat16, not float64",
+    ),
+    (
+        "write_kv",
+        {"kv_layer": torch.randn(2, 8, HKV, D, 4).transpose(3, 4).transpose(2, 3)},
+        r"kv_layer must be contiguous",
+    ),
+    ("write_kv", {"k": torch.randn(T, HKV + 1, D)}, r"k must be \[T, 2, 32\], not \[5, 3, 32\]"),
+    ("write_kv", {"k": torch.randn(T, HKV * D)}, r"k must be \[T, 2, 32\], not \[5, 64\]"),
+    ("write_kv", {"k": torch.randn(T, HKV, D, dtype=F64)}, r"k must be float32 or bfloat16, not float64"),
+    ("write_kv", {"k": torch.randn(T, D, HKV).transpose(1, 2)}, r"k must have a contiguous last dimension"),
+    ("write_kv", {"v": torch.randn(T - 1, HKV, D)}, r"v must be \[5, 2, 32\], not \[4, 2, 32\]"),
+    ("write_kv", {"v": torch.randn(T, HKV, D, dtype=BF16)}, r"v must be float32, not bfloat16"),
+    ("write_kv", {"v": torch.empty(T, HKV, D, device=META)}, r"v must be on the CPU, not meta"),
+    ("write_kv", {"slot_mapping": torch.arange(T, dtype=I32)}, r"slot_mapping must be int64, not int32"),
+    ("write_kv", {"slot_mapping": torch.arange(T + 1)}, r"slot_mapping must be \[5\], not \[6\]"),
     ("silu_and_mul", {"x": torch.randn(T, 2, H)}, r"x must be \[T, 2 I\], not \[5, 2, 64\]"),
     ("silu_and_mul", {"x": torch.randn(T, 2 * H + 1)}, r"x must be \[T, 2 I\], not \[5, 129\]"),
     ("silu_and_mul", {"x": torch.randn(T, 2 * H, dtype=F64)}, r"x must be float32 or bfloat16, not float64"),
@@ -284,6 +317,7 @@ CASES: list[tuple[str, Args, str]] = [
 GOOD: dict[str, Callable[[], Args]] = {
     "rms_norm": rms_norm_args,
     "rotary": rotary_args,
+    "write_kv": write_kv_args,
     "silu_and_mul": silu_args,
     "skinny_linear": linear_args,
     "paged_decode": decode_args,
@@ -335,3 +369,14 @@ def test_a_position_past_the_table_is_refused_before_q_or_k_turns(ops: ModuleTyp
         ops.rotary(*args.values())
 
     assert torch.equal(args["q"], q) and torch.equal(args["k"], k), "a refused call rotated rows"
+
+
+def test_a_slot_past_the_pool_is_refused_before_any_row_is_written(ops: ModuleType) -> None:
+    args = write_kv_args()
+    pool = args["kv_layer"].clone()
+    args["slot_mapping"][-1] = 8 * 4  # the first slot past 8 pages of 4
+
+    with pytest.raises(IndexError, match="slot 32 is past the pool's 32 slots"):
+        ops.write_kv(*args.values())
+
+    assert torch.equal(args["kv_layer"], pool), "a refused call wrote rows"

@@ -1,6 +1,7 @@
-"""The C++ CPU row-wise ops (RMSNorm, rotary, SiLU and mul, the few-row GEMM) against the torch reference,
-on fresh random float32 and bfloat16 inputs, and the GEMM with int8 and float8 weights. Inputs that are
-views of wider rows have NaN in the columns around them, which an op that ignores a stride would read.
+"""The C++ CPU row-wise ops (RMSNorm, rotary, the KV write, SiLU and mul, the few-row GEMM) against the
+torch reference, on fresh random float32 and bfloat16 inputs, and the GEMM with int8 and float8 weights.
+Inputs that are views of wider rows have NaN in the columns around them, which an op that ignores a stride
+would read.
 
 In bfloat16 the ops compute in float32 and round where transformers rounds (the reference computes in
 bfloat16 op by op), so they agree to within one rounding of bfloat16: half a step, 2^-9 of the value."""
@@ -118,6 +119,35 @@ def test_rotary_refuses_a_position_past_its_table(backend: CpuBackend) -> None:
     q, k = torch.zeros(2, 3, 64), torch.zeros(2, 1, 64)
     with pytest.raises(RuntimeError, match="past the rotary table"):
         backend.rotary(q, k, torch.tensor([3, 8]), cos_sin)
+
+
+@DTYPES
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["pool-float32", "pool-bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_write_kv_puts_each_token_in_its_slot_as_the_reference_does(
+    backend: CpuBackend, tokens: int, pool_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """k and v are views of the fused QKV output's wider rows, which hold NaN around them; the slots are
+    scattered over the pool, some are padding (-1), and every slot not named keeps what it held."""
+    if pool_dtype == torch.float32 and dtype == torch.bfloat16:
+        pytest.skip("a bfloat16 model keeps a bfloat16 pool")
+    gen = torch.Generator().manual_seed(tokens)
+    heads, head_dim, pages, page_size = 3, 64, 40, 16
+    widths = [9 * head_dim, heads * head_dim, heads * head_dim]
+    _, k, v = (
+        part.unflatten(1, (-1, head_dim))
+        for part in padded_rows(gen, tokens, sum(widths), dtype).split(widths, dim=-1)
+    )
+    # Slot 0 is the null page's, which no token takes (the reference writes its padding rows there).
+    slots = 1 + torch.randperm(pages * page_size - 1, generator=gen)[:tokens]
+    slots[torch.rand(tokens, generator=gen) < 0.2] = -1
+    pool = torch.randn(2, pages, page_size, heads, head_dim, generator=gen).to(pool_dtype)
+    expected = pool.clone()
+    REFERENCE.write_kv(expected, k, v, slots)
+
+    backend.write_kv(pool, k, v, slots)
+
+    assert torch.equal(pool, expected)
 
 
 @DTYPES

@@ -13,6 +13,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tabl
 at::Tensor paged_prefill(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens,
                          at::Tensor query_start, double scale, int64_t window, double softcap,
                          std::optional<at::Tensor> sinks, bool dot_bf16, bool amx);
+void write_kv(at::Tensor kv_layer, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
                                             std::optional<at::Tensor> residual);
 std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin);
@@ -34,6 +35,7 @@ bool probe_feature(const std::string& feature);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the pool's pages");
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of chunks over their cached prefix and themselves");
+  m.def("write_kv", &write_kv, "a step's keys and values into their slots of the pool");
   m.def("rms_norm", &rms_norm, "RMSNorm, after adding the residual where one is given");
   m.def("rotary", &rotary, "half-split rotary embedding of q and k, in place");
   m.def("skinny_linear", &skinny_linear, "x W^T * scale (+ bias) for a few rows of x, streaming W once");
