@@ -9,7 +9,7 @@ and V row where it lies, only up to the sequence's length; where the queries and
 AVX512-BF16 runs, the prefill's two products multiply bfloat16 pairs, with vdpbf16ps or on AMX's tiles.
 `pagedserve/kernels/cpu/elementwise.cpp` does RMSNorm (with the residual add), rotary and the SiLU gate in
 one pass each, where torch makes a temporary for every operator, and `write_kv.cpp` copies a step's keys and
-values into their slots on all threads (index_copy_ took six times as long, on one).
+values into their slots on all threads (index_copy_ took about six times as long).
 
 A float32 model's linear weights are packed at load for `packed_float.cpp`, which serves every number of
 rows, faster than MKL's GEMM on the unpacked weight from one row to thousands. Both packed kernels run a
