@@ -104,8 +104,8 @@ def kv_namespace(model_id: str, model: CausalLM, quantization: str, kv_dtype: st
     precision = dtype
     if int8_activations(model.weights):  # int8 weights quantized at load or stored so, where vpdpbusd runs
         precision += "-w8a8"
-    elif quantization == "int8":
-        precision += "-w8a16"
+    elif quantization == "int8":  # weight-only: the activations stay in the model's dtype
+        precision += f"-w8a{model.dtype.itemsize * 8}"
     if kv_dtype != dtype:
         precision += f"-kv-{kv_dtype}"
     return f"{model_id}@{precision}"
