@@ -226,12 +226,16 @@ def quantized(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     return QuantizedWeight(data, scale)
 
 
+def rounds_x_to_int8(weight: Weight) -> bool:
+    """Whether the CPU backend rounds x per row to int8 against this weight: an int8 weight packed for
+    vpdpbusd (W8A8)."""
+    return isinstance(weight, PackedWeight) and weight.sums is not None
+
+
 def as_multiplied(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x as the CPU backend multiplies it by weight: rounded per row to int8 against an int8 weight packed
     for vpdpbusd (int8_rows); as it is against any other, in float32."""
-    if not (isinstance(weight, PackedWeight) and weight.sums is not None):
-        return x.float()
-    return int8_rows(x)
+    return int8_rows(x) if rounds_x_to_int8(weight) else x.float()
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -271,9 +275,10 @@ def test_skinny_linear(backends: list[CpuBackend], rows: int, n: int, k: int, we
     gen = torch.Generator().manual_seed(rows * n + k)
     x, weight, bias = linear_case(gen, rows, n, k, weights)
 
+    compared = 0
     for backend, b in itertools.product(backends, (None, bias)):
         prepared = backend.prepare_linear(weight, x.dtype)
-        if as_multiplied(x, prepared) is not x.float():  # int8 x int8: against its reference, below
+        if rounds_x_to_int8(prepared):  # int8 x int8: against its reference, below
             continue
         out = backend.linear(x, weight, b)
         torch.testing.assert_close(
@@ -286,6 +291,9 @@ def test_skinny_linear(backends: list[CpuBackend], rows: int, n: int, k: int, we
             torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-7 * k**0.5)
         else:
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        compared += 1
+    # The backend that packs no weight for vpdpbusd (the first, or all where it does not run) is compared.
+    assert compared >= 2, "no backend's product was compared with the reference"
 
 
 @pytest.mark.parametrize("weights", [w for w in WEIGHTS if "-" in w])
@@ -381,13 +389,14 @@ def test_packed_float_linear_refuses_what_it_cannot_multiply(backend: CpuBackend
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("rows", [17, 31, 32, 33, 100, 300])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 64), (4099, 128), (7, 1536), (40, 100)], ids=str)
-def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
+def test_int8_products_past_the_few_rows_match_the_reference_and_equal_on_amx_tiles(
     backends: list[CpuBackend], rows: int, n: int, k: int, x_dtype: torch.dtype
 ) -> None:
-    """Past AMX_INT8_SKINNY_ROWS rows an int8 x int8 product runs on AMX's tiles where this CPU runs them (and
-    K is a multiple of 64; else on vpdpbusd): the int32 sums are exact either way, so the outputs are equal,
-    for rows in blocks of 32 and not, outputs in groups of 32 and not, K of one step of 64 and many, rows of
-    a bfloat16 model and of a float32 one."""
+    """Past AMX_INT8_SKINNY_ROWS rows an int8 x int8 product runs on vpdpbusd, or on AMX's tiles where this
+    CPU runs them (and K is a multiple of 64): the product of x rounded per row to int8, for rows in blocks
+    of 32 and not, outputs in groups of 32 and not, K of one step of 64 and many, rows of a bfloat16 model
+    and of a float32 one. The int32 sums are exact either way, so where the tiles run their outputs equal
+    vpdpbusd's bit for bit; where they do not (no AMX-INT8 here), only the vpdpbusd path is checked."""
     found = cpu_features()
     _, weight, bias = linear_case(torch.Generator().manual_seed(rows + n + k), rows, n, k, "int8-bfloat16")
     prepared = backends[-1].prepare_linear(weight, x_dtype)
@@ -396,14 +405,18 @@ def test_int8_products_on_amx_tiles_equal_vpdpbusd_bit_for_bit(
         return
     assert isinstance(prepared, PackedWeight) and rows > AMX_INT8_SKINNY_ROWS
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(x_dtype)
+    close = (
+        {"rtol": 1e-4, "atol": 1e-4} if x_dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7 * k**0.5}
+    )
     ops = cpu_ops()
     for b in (None, bias.float()):
         args = (x, prepared.data, prepared.scale, prepared.sums, b, n)
         dots = ops.packed_linear(*args, False, False)
-        # Where the probe ran AMX-INT8, the tiles are asked for (the op raises if they are refused), and the
-        # backend takes them; elsewhere it takes vpdpbusd.
-        theirs = ops.packed_linear(*args, True, False) if found.amx_int8.usable else dots
-        assert torch.equal(theirs, dots)
+        expected = REFERENCE.linear(int8_rows(x), weight, b).to(x_dtype)
+        torch.testing.assert_close(dots.float(), expected.float(), **close)
+        if found.amx_int8.usable:  # the tiles are asked for (the op raises if they are refused)
+            assert torch.equal(ops.packed_linear(*args, True, False), dots)
+        # The backend takes the tiles where the probe ran AMX-INT8, vpdpbusd elsewhere.
         assert torch.equal(backends[-1].linear(x, prepared, b), dots)
 
 
