@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pagedserve.kernels.backend import ExpertWeights, LayerAttention, Routing
-from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
+from pagedserve.kernels.cpu_backend import SKINNY_ROWS, CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
-from pagedserve.kernels.torch_ref import TorchBackend, moe_reference
+from pagedserve.kernels.torch_ref import TorchBackend, moe_reference, route
 from tests.kernels.references import (
     KV_HEADS,
     assert_close,
@@ -296,10 +296,11 @@ ROUTINGS = {
 }
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("tokens", [1, 7, 100])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_experts_match_the_reference(routing: str, tokens: int) -> None:
-    """A decode's few rows (each expert through skinny_linear) and a prefill's (some experts through MKL)."""
+    """A decode's few rows (each expert through skinny_linear) and a prefill's (some experts past SKINNY_ROWS,
+    through MKL, with gpt-oss's biases too)."""
     gen = generator(17 + tokens)
     experts, hidden, inner = 8, 64, 32
 
@@ -316,6 +317,8 @@ def test_experts_match_the_reference(routing: str, tokens: int) -> None:
         down_bias=randn(experts, hidden) if biased else None,
     )
     x = randn(tokens, hidden, scale=1.0)
+    rows = torch.bincount(route(x, weights, ROUTINGS[routing])[1].flatten(), minlength=experts)
+    assert (rows.max() > SKINNY_ROWS) == (tokens > SKINNY_ROWS), rows  # the paths the docstring names
     assert OPS is not None
     actual = CpuBackend(OPS).moe(x, weights, ROUTINGS[routing])
     torch.testing.assert_close(actual, moe_reference(x, weights, ROUTINGS[routing]), rtol=1e-5, atol=1e-5)
