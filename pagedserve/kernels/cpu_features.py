@@ -5,7 +5,9 @@ process may run it is another matter: AMX's tiles need the kernel's leave (arch_
 advertise what it does not pass through; these machines advertise AMX, and llama.cpp built with its AMX
 paths dies of SIGILL on them. So each feature that is advertised is run once, on known inputs, in a child
 process (`probe_feature` in pagedserve/kernels/cpu/features.cpp): a SIGILL, a wrong answer or a hang there
-costs the child, and the worker goes on without the feature, saying why.
+costs the child, and the worker goes on without the feature, saying why. Where the instruction runs but
+pagedserve's own GEMM on it answers wrongly, the feature is left off too, and the worker logs it as the
+defect it is (`Feature.our_defect`, which the tests assert is never so).
 
 - `avx512_bf16` (vdpbf16ps): the few-row GEMM's bfloat16 dot products. Its probe also runs that GEMM both
   ways on random inputs, so that a path this machine cannot check otherwise is checked where it runs.
@@ -35,6 +37,9 @@ import torch
 log = logging.getLogger(__name__)
 
 FEATURES = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+# The probe's exit status when the instruction ran right but pagedserve's own GEMM on it did not: a defect
+# of ours, which the fallback would otherwise hide (every test would then take the path left).
+OUR_GEMM_WRONG = 3
 PROBE_TIMEOUT_S = (
     120  # a child that imports torch and loads the ops; a hung instruction must not hang a start
 )
@@ -45,6 +50,7 @@ class Feature:
     name: str
     usable: bool
     why: str  # what the probe found, for the log
+    our_defect: bool = False  # refused because pagedserve's GEMM on it gave wrong answers, not the CPU
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,11 @@ def probe(name: str) -> Feature:
     if done.returncode == -signal.SIGILL:
         return Feature(name, False, f"{name} is advertised, but running it raised SIGILL")
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    if done.returncode == OUR_GEMM_WRONG:
+        log.error("%s runs, but pagedserve's GEMM on it gave wrong answers: %s", name, last)
+        return Feature(
+            name, False, f"{name} runs, but pagedserve's GEMM on it gave wrong answers ({last})", True
+        )
     return Feature(
         name, False, f"{name} is advertised, but its probe failed (exit {done.returncode}: {last})"
     )
@@ -143,7 +154,8 @@ def _check_dot_int8(ops: object) -> None:
 
 
 def main(name: str) -> int:
-    """The child's side: 0 when the feature gives the right answers, 1 when not; SIGILL kills it first."""
+    """The child's side: 0 when the feature gives the right answers, 1 when not, OUR_GEMM_WRONG when only
+    pagedserve's GEMM on it does not; SIGILL kills it first."""
     from pagedserve.kernels.cpu_backend import cpu_ops
 
     ops = cpu_ops()
@@ -158,10 +170,13 @@ def main(name: str) -> int:
     if not right:
         print(f"{name} ran, but gave a wrong answer", file=sys.stderr)
         return 1
-    if name == "avx512_bf16":
-        _check_dot_bf16(ops)
-    if name == "avx512_vnni":
-        _check_dot_int8(ops)
+    checks = {"avx512_bf16": _check_dot_bf16, "avx512_vnni": _check_dot_int8}
+    try:
+        if name in checks:
+            checks[name](ops)
+    except AssertionError as exc:
+        print(str(exc).strip().splitlines()[0], file=sys.stderr)
+        return OUR_GEMM_WRONG
     return 0
 
 

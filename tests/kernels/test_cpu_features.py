@@ -36,8 +36,9 @@ def test_a_feature_is_usable_only_where_its_probe_ran_it(backend: CpuBackend, na
         assert not found.usable
         expected = "AMX's tile state" if name.startswith("amx") else "raised SIGILL"
         assert expected in found.why, found.why
-    else:  # advertised: it runs, or the reason it does not is said
+    else:  # advertised: it runs, or the reason it does not is said, and it is the CPU's, not our GEMM's
         assert found.usable or "is advertised, but" in found.why, found.why
+        assert not found.our_defect, found.why
 
 
 def test_auto_falls_back_to_float32_when_an_advertised_feature_faults(
