@@ -36,6 +36,7 @@ from services.worker.core.draft_model import PROBE_EVERY, DraftModelProposer, Pa
 from services.worker.core.engine import EngineCore
 from services.worker.core.engine_config import EngineConfig
 from services.worker.core.sampler import draw
+from services.worker.core.scheduler import ScheduledSeq
 from services.worker.core.sequence import FinishReason, RequestOutput, Sequence
 from services.worker.core.speculation import MAX_PAUSE, Drafting, NgramProposer, lookup
 from services.worker.kv.base import KVCache
@@ -338,8 +339,19 @@ def test_drafts_run_beside_plain_rows_prefill_chunks_and_preemption(model: Causa
     assert off.scheduler.preemptions > 0
     engine = make_engine(model, speculative="ngram", num_pages=30)
     oracle = with_oracle(engine, reference, prompts)
+    refused: list[Sequence] = []  # drafts the pool had no pages for
+    reserve = engine.scheduler._reserve
+
+    def spy(seq: Sequence, count: int, *, protected: list[ScheduledSeq], may_preempt: bool = True) -> bool:
+        held = reserve(seq, count, protected=protected, may_preempt=may_preempt)
+        if not held and not may_preempt and seq in engine.scheduler.running:  # a draft's, not an admission's
+            refused.append(seq)
+        return held
+
+    engine.scheduler._reserve = spy  # type: ignore[method-assign]
     assert_same(summary(generate(engine, options, prompts)), reference)
     assert engine.scheduler.preemptions > 0
+    assert refused, "no draft went without pages, so none fell back to a plain decode"
     assert oracle.asked == {tuple(p) for k, p in enumerate(prompts) if k != 3}
     assert 10 < engine.scheduler.drafts_checked <= len(oracle.drafted)
     assert engine.steps < off.steps
