@@ -364,9 +364,14 @@ def _read_file(folder: HeldFolder, name: str, size: int, limit: int) -> bytes | 
         return None
     except OSError as exc:  # a symlink (ELOOP), a fifo...
         return f"it cannot be opened as a plain file ({exc.strerror})"
-    with os.fdopen(fd, "rb") as file:
+    try:  # checked before it is read as a file: a folder under a page's name is no file to read
         problem = _file_problem(os.fstat(fd), size)
-        return problem if problem is not None else file.read(limit)
+        if problem is not None:
+            return problem
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            return file.read(limit)
+    finally:
+        os.close(fd)
 
 
 def _file_problem(info: os.stat_result, size: int) -> str | None:

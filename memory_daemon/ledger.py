@@ -23,10 +23,11 @@ counts stay exact. Misuse raises InvalidArgument, PermissionDenied or FailedPrec
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from memory_daemon.checks import RequestChecks
@@ -295,7 +296,8 @@ class PageLedger(RequestChecks):
             if not self._free:
                 break
             page = self._free.pop()
-            self.tier.install(model_id, page, stored)
+            with self._back_if_raises(page):
+                self.tier.install(model_id, page, stored)
             self._index_promoted(model_id, page, stored)
             self.index.mark_idle(page)
             admitted += 1
@@ -451,12 +453,22 @@ class PageLedger(RequestChecks):
         if not self._free:
             return None
         page = self._free.pop()
-        found = self.tier.promote(model_id, key, page)
+        with self._back_if_raises(page):
+            found = self.tier.promote(model_id, key, page)
         if found is None:
             self._free.append(page)
             return None
         self._index_promoted(model_id, page, found)
         return page
+
+    @contextlib.contextmanager
+    def _back_if_raises(self, page: int) -> Iterator[None]:
+        """A free page taken for a tier's copy goes back on the free list if the tier raises."""
+        try:
+            yield
+        except BaseException:
+            self._free.append(page)
+            raise
 
     def _index_promoted(self, model_id: str, page: int, stored: StoredPage) -> None:
         self._state[page] = PageState.SHARED

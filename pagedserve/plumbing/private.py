@@ -163,9 +163,15 @@ class HeldFolder:
         return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
 
     def unlink(self, name: str) -> None:
-        """Remove name, if it is there."""
-        with contextlib.suppress(FileNotFoundError):
+        """Remove name, if it is there; a folder under that name only if it is empty (its contents are not
+        ours to delete: it stays, and is refused again where it is found)."""
+        try:
             os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=self.fd)
 
     def names(self) -> list[tuple[str, os.stat_result]]:
         """Each entry's name and lstat."""

@@ -264,6 +264,36 @@ def test_a_page_damaged_on_disk_is_refused_and_the_prefix_stops_before_it(
     assert len(list(disk.glob("*.kvpage"))) == 2
 
 
+def test_a_folder_under_a_page_files_name_is_refused_at_start_and_while_running(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    """A folder where a page's file should be (made by the daemon's own user: no one else can write the
+    tier's folder) is no page: at start the chain stops before it, and a daemon that finds one on a lookup
+    refuses it the same way, losing no page of its pool to the failed read. An empty folder is removed; one
+    with something in it is not ours to empty, and stays."""
+    daemons.append(prompt_on_disk(run_dir, disk))
+    keys = page_keys(PROMPT, SHAPE.page_size)
+    files = [disk / file_name(fingerprint("test-model", SHAPE), key) for key in keys]
+    files[1].unlink()
+    files[1].mkdir(mode=0o700)
+    (files[1] / "kept").write_bytes(b"not a page")
+
+    daemons.append(restart(daemons[0], disk, tmp_path))
+    assert looked_up(daemons[1]) == [1.0], "the first page only: the second is a folder"
+    assert (files[1] / "kept").exists()
+
+    evict_everything(daemons[1])
+    wait_until(lambda: files[0].exists(), 10, "the first page's file written again")
+    files[0].unlink()
+    files[0].mkdir(mode=0o700)
+    free = checked_counts(daemons[1]).free_pages
+    for _ in range(3):
+        assert looked_up(daemons[1]) == []
+    assert checked_counts(daemons[1]).free_pages == free  # the books balance, and no page went missing
+    assert not files[0].exists()
+    assert daemons[1].proc.poll() is None
+
+
 @pytest.fixture
 def volume() -> Iterator[Path]:
     """A folder as a Kubernetes emptyDir's root is: root's, 0777 without the sticky bit, so that another user

@@ -7,6 +7,8 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+import pytest
+
 from memory_daemon.disk_tier import DiskTier, StoredPage, fingerprint
 from memory_daemon.host_tier import HostTier
 from memory_daemon.ledger import PageLedger
@@ -148,3 +150,28 @@ def test_host_pages_drained_to_the_disk_serve_a_restarted_ledger(tmp_path: Path)
     )
     found = restarted.lookup(restarted.open_lease("again", "m"), pool.keys)
     assert [pool.copier.read(page) for page in found] == pool.contents
+
+
+def test_a_tier_that_fails_a_copy_costs_the_pool_no_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion or an admitted read takes a free page for the tier's copy: if the tier raises there (a
+    read error the tier did not foresee), the page goes back on the free list and the books balance."""
+    pool = Pool(tmp_path, pages=5, host_pages=8, disk=False)
+    pool.evict_all()
+    tier = pool.ledger.tier
+    assert tier is not None
+    free = pool.ledger.free_pages
+    reading = tier.read("m", pool.keys)()
+
+    def fails(*_: object) -> None:
+        raise OSError("the copy failed")
+
+    for method in ("promote", "install"):
+        monkeypatch.setattr(tier, method, fails)
+    with pytest.raises(OSError):
+        pool.ledger.lookup(pool.lease, pool.keys)
+    with pytest.raises(OSError):
+        pool.ledger.admit_promoted("m", tier.settle("m", reading))
+    assert pool.ledger.free_pages == free
+    pool.ledger.check_invariants()
