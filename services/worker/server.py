@@ -246,8 +246,9 @@ async def keep_attached(
     lost: asyncio.Event,
     refresh: Callable[[], Awaitable[None]],
 ) -> None:
-    """When the daemon goes away, fail what runs (UNAVAILABLE) and report NOT_SERVING, then lease anew once
-    it is back (the draft model's pool too). refresh tells health and the frontends each change."""
+    """When the daemon goes away (it ended the lease, or a step's call to it failed), fail what runs
+    (UNAVAILABLE) and report NOT_SERVING, then lease anew once it is back (the draft model's pool too) and
+    end the old lease. refresh tells health and the frontends each change."""
     assert loaded.attach is not None
     while True:
         await lost.wait()
@@ -320,6 +321,10 @@ async def serve_loaded(
         service.health = running.health
         heartbeat = asyncio.create_task(service.beat(), name="heartbeat")
         if loaded.attach is not None:
+            # A step whose daemon call failed (a paused daemon's timeout, say) has suspended the engine,
+            # but the lease's stream may live on: re-attach all the same, or the worker stays suspended.
+            loop = asyncio.get_running_loop()
+            engine.on_pool_lost = functools.partial(loop.call_soon_threadsafe, lost.set)
             reattach = asyncio.create_task(keep_attached(engine, loaded, lost, service.refresh))
         stop = stop_signal()
         log.info("worker %r serving on %s", config.name, running.address)

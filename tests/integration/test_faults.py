@@ -120,6 +120,7 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
             try:
                 os.kill(pid_of(stack, "daemon"), signal.SIGKILL)
                 streams.join()
+                assert len(streams.ended) == 2, "a stream did not end within a minute of the daemon's death"
                 for code, details, _ in streams.ended:
                     assert code == grpc.StatusCode.UNAVAILABLE, details
                     assert "memory daemon" in details
@@ -150,6 +151,48 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
             assert reply.usage.completion_tokens == 4
             wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
         assert "daemon killed by SIGKILL; starting it again" in stack.log()
+    finally:
+        assert stack.stop() == 0
+    assert not stack.survivors()
+
+
+def test_a_paused_daemon_fails_the_call_waiting_on_it_and_the_worker_serves_again_once_it_moves(
+    tmp_path: Path,
+) -> None:
+    """A daemon that stops answering for longer than a call's deadline (SIGSTOP here; a swap storm or a
+    debugger elsewhere) fails the request whose step waited on it, UNAVAILABLE. Its lease's stream
+    never broke, yet once it moves again the worker leases anew and serves, and the old lease's pages come
+    back: a worker that only suspended itself stayed suspended for good."""
+    stack = start_stack(tmp_path, "--kv-memory", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            daemon = pid_of(stack, "daemon")
+            os.kill(daemon, signal.SIGSTOP)
+            try:
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Complete(generate_request("A prompt no one sent before", max_tokens=2), timeout=60)
+                # The frontend may give up on the silent worker first (--worker-timeout): either way, retry.
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
+                wait_until(  # the step's call (a lease, a lookup) ran out of time: the pool counts as lost
+                    lambda: "DEADLINE_EXCEEDED" in stack.log().partition("lost the KV pool: ")[2],
+                    60,
+                    "the worker's call to the daemon timing out",
+                    interval_s=0.1,
+                )
+            finally:
+                os.kill(daemon, signal.SIGCONT)
+            wait_until(
+                lambda: "re-attached to the memory daemon" in stack.log(),
+                60,
+                "the worker re-attaching",
+                interval_s=0.1,
+            )
+            wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
+            reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
+            assert reply.usage.completion_tokens == 4
+            wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
+        assert pid_of(stack, "daemon") == daemon  # the same daemon: nothing was restarted
     finally:
         assert stack.stop() == 0
     assert not stack.survivors()

@@ -64,6 +64,9 @@ class Engine:
         self.on_outputs = on_outputs
         self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each model step
         self.suspended: str | None = None  # why new requests are refused: the KV pool is out of reach
+        # Called from the engine's thread when a step finds the pool out of reach (a daemon call failed):
+        # the worker then leases anew, as when the daemon ends the lease itself.
+        self.on_pool_lost: Callable[[], object] | None = None
         self._stats = EngineStats()
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []
@@ -191,6 +194,8 @@ class Engine:
             log.error("lost the KV pool: %s", exc)
             self.suspended = f"the KV memory daemon is out of reach ({exc}); retry"
             outputs += self._core.fail_all(Unavailable(self.suspended))
+            if self.on_pool_lost is not None:
+                self.on_pool_lost()
         except Exception:
             log.exception("engine step failed; failing every live request")
             failure = Internal("the engine failed on this request's step; see the worker log")
