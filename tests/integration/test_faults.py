@@ -54,6 +54,20 @@ def every_page_back(stack: Stack) -> Callable[[], bool]:
     return lambda: worker_idle(stack) and every_page_accounted(stack.daemon_address)
 
 
+def serves_again_after_reattaching(stack: Stack, stub: generation_pb2_grpc.GenerationStub) -> None:
+    """The worker leases anew, the stack answers a request, and every page comes back."""
+    wait_until(
+        lambda: "re-attached to the memory daemon" in stack.log(),
+        60,
+        "the worker re-attaching",
+        interval_s=0.1,
+    )
+    wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
+    reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
+    assert reply.usage.completion_tokens == 4
+    wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
+
+
 class Streams:
     """Long streaming calls in threads: each records its final status and when it ended."""
 
@@ -140,16 +154,7 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
                 assert "the KV memory daemon went away" in caught.value.details()
             finally:
                 os.kill(stack.proc.pid, signal.SIGCONT)
-            wait_until(
-                lambda: "re-attached to the memory daemon" in stack.log(),
-                60,
-                "the worker re-attaching",
-                interval_s=0.1,
-            )
-            wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
-            reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
-            assert reply.usage.completion_tokens == 4
-            wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
+            serves_again_after_reattaching(stack, stub)
         assert "daemon killed by SIGKILL; starting it again" in stack.log()
     finally:
         assert stack.stop() == 0
@@ -182,16 +187,7 @@ def test_a_paused_daemon_fails_the_call_waiting_on_it_and_the_worker_serves_agai
                 )
             finally:
                 os.kill(daemon, signal.SIGCONT)
-            wait_until(
-                lambda: "re-attached to the memory daemon" in stack.log(),
-                60,
-                "the worker re-attaching",
-                interval_s=0.1,
-            )
-            wait_for_health(stack.address, 30, service="pagedserve.v1.Generation")
-            reply = stub.Complete(generate_request(**PROMPT, max_tokens=4, temperature=0.0))
-            assert reply.usage.completion_tokens == 4
-            wait_until(every_page_back(stack), 60, "every page back", interval_s=0.1)
+            serves_again_after_reattaching(stack, stub)
         assert pid_of(stack, "daemon") == daemon  # the same daemon: nothing was restarted
     finally:
         assert stack.stop() == 0
