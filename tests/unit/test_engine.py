@@ -34,6 +34,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from memory_daemon.prefix import page_keys, salted_root
 from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
@@ -557,7 +558,8 @@ def test_a_new_request_warms_the_keys_its_lookup_will_ask_for(model: CausalLM) -
         engine.kv.lower_tier = True
         prompt = tuple(range(5, 18))  # 13 tokens: three full pages of 4 before the last token
         seq = engine.new_sequence(0, EngineRequest(prompt, GREEDY, cache_salt="tenant-a"))
-        assert warmed == [seq.page_keys(3, 4)] and len(warmed[0]) == 3
+        assert warmed == [page_keys(prompt[:12], 4, salted_root("tenant-a"))]  # the daemon's own chain
+        assert warmed[0] != page_keys(prompt[:12], 4)  # not the unsalted prompt's
         engine.add(seq)
         engine.run_until_done()
         assert engine.scheduler.cached_prompt_tokens == 0  # the local pool holds nothing yet

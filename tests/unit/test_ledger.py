@@ -8,11 +8,14 @@ grants, releases and leases; shared pages and lookups; eviction; refills and rec
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import pytest
 
 from memory_daemon.ledger import PageLedger
 from memory_daemon.refill import RefillSettings
-from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from pagedserve.plumbing.errors import FailedPrecondition, Internal, InvalidArgument, PermissionDenied
 from tests.unit.ledgers import KEYS
 
 # Grants, releases and leases --------------------------------------------------------------------------------
@@ -330,3 +333,44 @@ def test_too_many_lookup_keys_are_refused(ledger: PageLedger) -> None:
 def test_a_pool_needs_two_pages() -> None:
     with pytest.raises(InvalidArgument, match="at least 2 pages"):
         PageLedger(1)
+
+
+def _free_twice(ledger: PageLedger) -> None:
+    ledger._free.append(ledger._free[-1])
+
+
+def _leased_page_freed_behind_the_books(ledger: PageLedger) -> None:
+    lease = next(iter(ledger.leases.values()))
+    ledger._free.append(max(lease.pages))
+
+
+def _a_reference_too_many(ledger: PageLedger) -> None:
+    ledger._refs[1] += 1
+
+
+def _a_cached_page_no_one_published(ledger: PageLedger) -> None:
+    ledger.publishers.forget(1)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "named"),
+    [
+        (_free_twice, "a page is on the free list twice"),
+        (_leased_page_freed_behind_the_books, "a page on the free list is not free"),
+        (_a_reference_too_many, "page 1: 2 refs, 1 held"),
+        (_a_cached_page_no_one_published, "page 1: index and publishers"),
+    ],
+)
+def test_the_books_audit_names_what_does_not_balance(
+    ledger: PageLedger, corrupt: Callable[[PageLedger], None], named: str
+) -> None:
+    """check_invariants is what many tests take as proof that no page leaked: it passes on sound books and
+    raises Internal, naming the fault, on each kind of corruption."""
+    lease = ledger.open_lease("w", "m")
+    pages = ledger.grant(lease, 3)
+    assert pages == [1, 2, 3]
+    ledger.update(lease, publish=[(KEYS[0], 1)])
+    ledger.check_invariants()
+    corrupt(ledger)
+    with pytest.raises(Internal, match=re.escape(named)):
+        ledger.check_invariants()
