@@ -10,7 +10,7 @@ Every usable page is in exactly one state:
 With a lower tier (`tier`, memory_daemon/tiers.py: host memory, disk), an evicted page's bytes are demoted
 there before the page is freed, and a lookup that misses the pool goes on in the tier: each key found
 there is promoted into a free page (evicting, and so demoting, an idle one if need be), indexed again and
-returned like any hit; its publisher is then the tier (`Publishers.record_promoted`).
+returned like any hit, under the publisher of the page demoted (`Publishers`).
 A cached page may be pinned (`pins`: a request's cache_ttl_seconds): it is then never evicted, and so never
 idle in the index's LRU, until its last pin expires; pins are budgeted per tenant and per pool.
 Page 0 is the null page: never leased, so block tables can pad with it. Each indexed page's publisher is
@@ -309,16 +309,20 @@ class PageLedger(RequestChecks):
         return next((i for i, key in enumerate(keys) if self.index.get(model_id, key) is None), len(keys))
 
     def drop_published(self, *, worker_id: int = 0, name: str = "") -> int:
-        """Take every page the lease with worker_id (or every lease named name) published out of the index;
-        returns how many. Idle ones go free now, referenced ones when their last reference drops."""
+        """Take every page the lease with worker_id (or every lease named name) published out of the index,
+        and out of the lower tier, where the pool demoted it; returns how many. Idle ones go free now,
+        referenced ones when their last reference drops."""
         if not (worker_id or name):
             raise InvalidArgument("name the publisher whose pages to drop: its worker_id or its name")
         pages = self.publishers.pages_of(worker_id=worker_id, name=name)
+        copies = set(self.publishers.copies_of(worker_id=worker_id, name=name))
         if self.tier is not None:  # a copy demoted earlier is the same untrusted page
-            for page in pages:
-                entry = self.index.entry(page)
-                self.tier.forget(entry.model_id, entry.key)
-        return self._uncache(pages)
+            in_pool = {(entry.model_id, entry.key) for entry in map(self.index.entry, pages)}
+            for model_id, key in in_pool | copies:
+                self.tier.forget(model_id, key)
+                self.publishers.let_go(model_id, key)
+            copies -= in_pool
+        return self._uncache(pages) + len(copies)
 
     def flush(self, model_id: str) -> int:
         """Drop every cached page of model_id that no one references, and its pages in the lower tier;
@@ -416,6 +420,8 @@ class PageLedger(RequestChecks):
                         events.stored(change)
                     else:
                         events.removed(change.key, change.medium)
+                        if not self.tier.has(model_id, change.key):
+                            self.publishers.let_go(model_id, change.key)
         self.index.commit()
 
     def _pin(self, model_id: str, request: PinRequest) -> None:
@@ -436,10 +442,14 @@ class PageLedger(RequestChecks):
             if page is None:
                 return
             entry = self.index.entry(page)
-            if self.tier is not None:  # its events come with the tier's changes, at the commit
-                self.tier.demote(entry.model_id, entry.key, page, entry.parent, entry.token_ids)
+            kept = self.tier is not None and self.tier.demote(
+                entry.model_id, entry.key, page, entry.parent, entry.token_ids
+            )  # its events come with the tier's changes, at the commit
             self.index.remove(page)
-            self.publishers.forget(page)
+            if kept:
+                self.publishers.demoted(page, entry.key)
+            else:
+                self.publishers.forget(page)
             self._free_page(page)
             self.evictions += 1
 
@@ -473,7 +483,7 @@ class PageLedger(RequestChecks):
     def _index_promoted(self, model_id: str, page: int, stored: StoredPage) -> None:
         self._state[page] = PageState.SHARED
         self.index.add(model_id, stored.key, page, stored.parent, stored.token_ids)
-        self.publishers.record_promoted(page, model_id)
+        self.publishers.promoted(page, model_id, stored.key)
 
 
 def parents_first(pages: Sequence[Kept]) -> list[Kept]:

@@ -264,6 +264,28 @@ def test_a_page_damaged_on_disk_is_refused_and_the_prefix_stops_before_it(
     assert len(list(disk.glob("*.kvpage"))) == 2
 
 
+def test_a_workers_pages_are_dropped_from_the_tiers_too(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess]
+) -> None:
+    """DropPublished takes out every page a worker published, also those the pool demoted to host memory
+    and to disk: before, they came back on the next lookup, named as the tier's."""
+    daemon = start(run_dir, disk, "--kv-host-memory", TWO_PAGES)  # two in host memory, one on disk
+    daemons.append(daemon)
+    publish_prompt(daemon)
+    evict_everything(daemon)
+    wait_until(lambda: len(list(disk.glob("*.kvpage"))) == 1, 10, "the first page's file")
+    assert tier_counts(daemon, "host").pages == 2
+    with internal_channel(daemon.address) as channel:
+        stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+        dropped = stub.DropPublished(memory_pb2.DropPublishedRequest(worker_name="writer"))
+    assert dropped.pages == 3
+    assert looked_up(daemon) == []
+    wait_until(lambda: not list(disk.glob("*.kvpage")), 10, "the file deleted")
+    assert tier_counts(daemon, "host").pages == 0
+    counts = checked_counts(daemon)
+    assert counts.cached_pages == 0 and not counts.publishers
+
+
 def test_a_folder_under_a_page_files_name_is_refused_at_start_and_while_running(
     run_dir: Path, disk: Path, daemons: list[DaemonProcess], tmp_path: Path
 ) -> None:

@@ -14,7 +14,6 @@ from memory_daemon.disk_tier import DiskTier, Kept, StoredPage, fingerprint
 from memory_daemon.ledger import PageLedger, parents_first
 from memory_daemon.prefix import Published, page_keys
 from memory_daemon.prefix_events import DISK, POOL, Cleared, Stored
-from memory_daemon.publishers import PROMOTED
 from memory_daemon.shape import PoolShape
 from memory_daemon.tiers import PoolTier, ShmPageCopier
 from pagedserve.plumbing.errors import PermissionDenied
@@ -187,7 +186,7 @@ def test_the_ledger_demotes_on_eviction_and_promotes_on_a_lookup(tmp_path: Path)
     found = ledger.lookup(reader, keys)
     assert len(found) == 2 and [copier.read(page) for page in found] == contents
     assert disk.counts().promotions == 2 and ledger.index.cached_pages == 2
-    assert {usage.name for usage in ledger.counts().publishers} == {PROMOTED}
+    assert {usage.name for usage in ledger.counts().publishers} == {"writer"}  # the copies' publisher
     ledger.check_invariants()
 
     ledger.update(reader, unref=found)

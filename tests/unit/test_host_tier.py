@@ -14,6 +14,7 @@ from memory_daemon.host_tier import HostTier
 from memory_daemon.ledger import PageLedger
 from memory_daemon.prefix import Published, page_keys
 from memory_daemon.prefix_events import DISK, HOST, POOL, Cleared
+from memory_daemon.publishers import PROMOTED
 from memory_daemon.shape import PoolShape
 from memory_daemon.tiers import PoolTier, ShmPageCopier
 
@@ -150,6 +151,8 @@ def test_host_pages_drained_to_the_disk_serve_a_restarted_ledger(tmp_path: Path)
     )
     found = restarted.lookup(restarted.open_lease("again", "m"), pool.keys)
     assert [pool.copier.read(page) for page in found] == pool.contents
+    # Who published them was the old daemon's to know: they name the tier.
+    assert {usage.name for usage in restarted.counts().publishers} == {PROMOTED}
 
 
 def test_a_tier_that_fails_a_copy_costs_the_pool_no_page(
@@ -174,4 +177,21 @@ def test_a_tier_that_fails_a_copy_costs_the_pool_no_page(
     with pytest.raises(OSError):
         pool.ledger.admit_promoted("m", tier.settle("m", reading))
     assert pool.ledger.free_pages == free
+    pool.ledger.check_invariants()
+
+
+def test_a_publishers_pages_are_dropped_from_the_tiers_too_and_come_back_under_its_name(
+    tmp_path: Path,
+) -> None:
+    """drop_published reaches a worker's pages after the pool demoted them to host memory or disk, and a
+    page promoted back still names the worker that published it."""
+    pool = Pool(tmp_path, pages=5, host_pages=1, disk=True)  # one page in host memory, two on disk
+    pool.evict_all()
+    found = pool.ledger.lookup(pool.lease, pool.keys[:1])
+    assert {usage.name for usage in pool.ledger.counts().publishers} == {"w"}
+    pool.ledger.update(pool.lease, unref=found)
+    assert pool.ledger.drop_published(name="w") == 3
+    assert pool.ledger.lookup(pool.lease, pool.keys) == []
+    assert pool.host.counts().pages == 0 and pool.disk is not None and pool.disk.counts().pages == 0
+    assert pool.ledger.publishers._in_tiers == {}
     pool.ledger.check_invariants()
