@@ -224,6 +224,10 @@ BAD_CONSTRAINTS = [
     (pb.StructuredOutput(json_schema="{x"), "sampling.structured.json_schema is not JSON"),
     (pb.StructuredOutput(json_schema='{"type": "nope"}'), "sampling.structured.json_schema does not compile"),
     (pb.StructuredOutput(regex="("), "sampling.structured.regex does not compile"),
+    (  # xgrammar says nothing of an infinite bound: the message still names a cause
+        pb.StructuredOutput(json_schema='{"type": "integer", "minimum": -1e400}'),
+        "does not compile: xgrammar gave no reason; a number too large for a float64",
+    ),
     (pb.StructuredOutput(grammar="root ::= greeting"), 'Rule "greeting" is not defined'),
     (choice(), "sampling.structured.choice holds 0 strings"),
     (pb.StructuredOutput(), "sampling.structured is set but empty"),

@@ -182,9 +182,12 @@ def mask_logits(
 
 
 def _reason(exc: RuntimeError) -> str:
-    """xgrammar's message without its C++ source location ("[time] file.cc:123: ")."""
+    """xgrammar's message without its C++ source location ("[time] file.cc:123: "), or a likely cause where
+    it gave none."""
     text = str(exc).strip()
     head, sep, rest = text.partition(": ")
     if sep and ".cc:" in head:
         text = rest
-    return text.removeprefix("Check failed: (error.empty()) is false: ")[:1000]
+    text = text.removeprefix("Check failed: (error.empty()) is false: ")[:1000]
+    # A number past float64's range (a bound of 1e400, read as infinity) fails with an empty message.
+    return text or "xgrammar gave no reason; a number too large for a float64 (such as 1e400) is one cause"
