@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from unittest import mock
 
 import pytest
@@ -566,3 +566,28 @@ def test_a_new_request_warms_the_keys_its_lookup_will_ask_for(model: CausalLM) -
         off = EngineCore(model, engine.kv, EngineConfig(prefix_caching=False))
         off.new_sequence(1, EngineRequest(prompt, GREEDY))
         assert len(warmed) == 1
+
+
+def test_a_salted_prompts_pages_are_published_without_their_tokens(model: CausalLM) -> None:
+    """The daemon announces a page to gateways with its tokens (prefix events); a salted prompt's pages
+    must go without them, so that only requests with the same salt can tell what they hold. An unsalted
+    prompt's go with theirs."""
+    engine = make_engine(model, "off")
+    published: dict[bytes, list[int]] = {}  # each page's tokens as offered, by its key
+    publish = engine.kv.publish
+
+    def spy(keys: Sequence[bytes], pages: Sequence[int], **kwargs: Any) -> int:
+        tokens = list(kwargs.get("tokens", ()))
+        for i, key in enumerate(keys):
+            published[key] = tokens[i * 4 : (i + 1) * 4]
+        return publish(keys, pages, **kwargs)
+
+    prompt = tuple(range(5, 18))  # three full pages of 4 before the last token
+    with mock.patch.object(engine.kv, "publish", side_effect=spy):
+        for salt in ("", "tenant-a"):
+            engine.add(engine.new_sequence(salt, EngineRequest(prompt, GREEDY, cache_salt=salt)))
+            engine.run_until_done()
+    plain = page_keys(prompt[:12], 4)
+    salted = page_keys(prompt[:12], 4, salted_root("tenant-a"))
+    assert [published[key] for key in plain] == [list(prompt[i : i + 4]) for i in (0, 4, 8)]
+    assert [published[key] for key in salted] == [[], [], []]
