@@ -266,9 +266,11 @@ def test_kv_events_follow_the_daemons_index_and_flush_empties_it(stack: Stack, g
     assert all(b.sequence_number == state.sequence_number + i + 1 for i, b in enumerate(batches))
     flushed = vllm.FlushCache(common_pb2.FlushCacheRequest())
     assert flushed.success and "dropped" in flushed.message
-    wait_until(
-        lambda: any(e.WhichOneof("data") == "removed" for b in batches for e in b.events), 10, "removals"
-    )
+    assert pool_counts(stack.daemon_address).cached_pages == 0
+    removed = lambda: {h for b in batches for e in b.events if e.WhichOneof("data") == "removed"  # noqa: E731
+                       for h in e.removed.block_hashes}  # fmt: skip
+    announced = {block.block_hash for block in [b for s in stored() for b in s.blocks]}
+    wait_until(lambda: announced <= removed(), 10, "every announced block removed")
     events.cancel()
     with pytest.raises(grpc.RpcError) as refused:
         next(vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=5)))
