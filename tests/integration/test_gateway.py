@@ -119,6 +119,8 @@ def test_n_samples_and_logprobs(stacks: list[Stack], gateway: Gateway) -> None:
     )
     assert sorted(choice.index for choice in several.choices) == [0, 1, 2]
     assert all(choice.message.content for choice in several.choices)
+    # Three draws, not one answer three times (seeded, so the same on every run).
+    assert len({choice.message.content for choice in several.choices}) > 1, several.choices
     streamed = gateway.client.chat.completions.create(
         model=gateway.model,
         messages=QUESTION,
