@@ -10,7 +10,14 @@ from pagedserve.kernels.page_size import PageSize
 from pagedserve.plumbing.auth import secret_setting
 from pagedserve.plumbing.logs import log_level_setting
 from pagedserve.plumbing.metrics import MetricsSettings
-from pagedserve.plumbing.settings import check_settings, device, nested, not_negative, positive, setting
+from pagedserve.plumbing.settings import (
+    between,
+    check_settings,
+    device,
+    nested,
+    positive,
+    setting,
+)
 from pagedserve.plumbing.sizes import parse_bytes
 from services.worker.core.engine_config import EngineConfig
 from services.worker.quantization import Quantization
@@ -60,7 +67,7 @@ class WorkerConfig:
         shown_default="1GiB",
     )
     page_size: PageSize = setting(16, "tokens a KV page holds")
-    threads: int = setting(0, "torch threads; 0 keeps torch's choice", check=not_negative)
+    threads: int = setting(0, "torch threads; 0 keeps torch's choice", check=between(0, 1024))
     kernels: Literal["auto", "torch", "cpu", "cupy"] = setting(
         "auto",
         "attention and fused kernels: auto takes CuPy's on CUDA, and on the CPU the C++ decode attention "

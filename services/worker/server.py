@@ -217,6 +217,11 @@ def _load_draft(
     model = load_model(
         draft_dir, dtype=target.dtype, device=target.device, backend=backend, quantization=config.quantization
     )
+    if model.spec.vocab_size < target.spec.vocab_size:  # the target's ids past it would index nothing
+        raise ModelRefused(
+            f"the draft model {draft_dir} has a vocabulary of {model.spec.vocab_size}, smaller than the "
+            f"target's {target.spec.vocab_size}"
+        )
     shape = model.spec.pool_shape(kv_dtype, config.page_size)  # type: ignore[arg-type]
     namespace = kv_namespace(model_identity(draft_dir), model, config.quantization, kv_dtype)
     kv, attach = _pool(config, shape, namespace, num_pages * shape.page_bytes, f"{config.name}/draft", None)
@@ -345,4 +350,4 @@ def run(config: WorkerConfig) -> int:
     check_serving_address("pagedserve worker", config.secret, config.address)
     setup_logging(f"worker[{config.name}]", config.log_level)
     # At start: the daemon refused or is not there, or the model is refused.
-    return run_process(serve(config), log, (DaemonError, ModelRefused))
+    return run_process(serve(config), log, (DaemonError, ModelRefused, FileNotFoundError))

@@ -12,6 +12,7 @@ worker with a message.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.plumbing.rpc import wait_for_health
@@ -103,6 +106,38 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr[-2000:]
     assert "cannot start: the draft model" in done.stderr
     assert "must have the target model's tokenizer" in done.stderr
+
+
+def test_a_draft_model_of_a_smaller_vocabulary_is_refused(tmp_path: Path) -> None:
+    """Its tokenizer is the target's, but ids past its vocabulary would index nothing in its embedding."""
+    target = make_model("llama", tmp_path / "target")
+    draft = make_model("llama", tmp_path / "draft", vocab_size=256)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(target / name, draft / name)
+    done = worker(
+        *("--model", str(target), "--speculative", "draft", "--draft-model", str(draft)),
+        *("--address", f"unix:{tmp_path}/w.sock"),
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "has a vocabulary of 256, smaller than the target's 512" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_model_that_does_not_fit_its_config_stops_the_worker_in_one_line(tmp_path: Path) -> None:
+    """An operator's broken model folder (a tensor of another shape than config.json gives, a tensor
+    missing, a size of 0) stops the worker at start with one line that names the folder and the fault, not
+    a traceback, and not a worker that reports SERVING and fails every request."""
+    folder = make_model("llama", tmp_path / "model")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.post_attention_layernorm.weight"] = torch.ones(7)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    done = worker("--model", str(folder), "--address", f"unix:{tmp_path}/w.sock")
+    assert done.returncode == 1, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if "cannot start" in line]
+    assert line.endswith(
+        f"cannot start: {folder}: model.layers.1.post_norm is [7], where the config.json gives [64]"
+    ), line
+    assert "Traceback" not in done.stderr
 
 
 def test_the_draft_models_pool_takes_the_targets_kv_cache_dtype(run_dir: Path) -> None:

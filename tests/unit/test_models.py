@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.kernels.torch_ref import TorchBackend
-from services.worker.models import SUPPORTED, load_model
+from services.worker.models import SUPPORTED, ModelRefused, load_model
 from services.worker.models.gemma import Gemma2, Gemma3
 from services.worker.models.gpt_oss import GptOss
 from services.worker.models.granite import Granite
@@ -90,5 +90,46 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path: Path) -> None:
     missing = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     del tensors[missing]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=re.escape(f"no tensor {missing!r}")):
+    with pytest.raises(ModelRefused, match=re.escape(f"no tensor {missing!r}")):
         load(folder)
+
+
+SHAPES = [  # a tensor replaced by one of this shape, and what the refusal says
+    ("model.layers.0.self_attn.q_proj.weight", (64, 32), "q_proj, k_proj and v_proj are .* not one width"),
+    (
+        "model.layers.1.input_layernorm.weight",
+        (7,),
+        r"input_norm is \[7\], where the config.json gives \[64\]",
+    ),
+    ("model.layers.0.mlp.down_proj.weight", (64, 100), r"down_proj.weight is \[64, 100\], where"),
+    ("model.embed_tokens.weight", (300, 64), r"embed_tokens.weight is \[300, 64\], where .* \[512, 64\]"),
+]
+
+
+@pytest.mark.parametrize(("name", "shape", "expected"), SHAPES)
+def test_a_tensor_of_another_shape_than_the_config_gives_is_refused_naming_it(
+    llama: Path, name: str, shape: tuple[int, ...], expected: str
+) -> None:
+    """Else the worker would load it, report SERVING, and fail every request in its first step."""
+    tensors = load_file(llama / "model.safetensors")
+    tensors[name] = torch.zeros(shape)
+    save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelRefused, match=expected):
+        load(llama)
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"num_attention_heads": 0}, "its config.json divides by zero"),
+        ({"vocab_size": 0}, "vocab_size is 0; it must be above 0"),
+        ({"vocab_size": 10**9}, r"is \[512, 64\], where the config.json gives \[1000000000, 64\]"),
+        ({"num_hidden_layers": 3}, "no tensor 'model.layers.2"),
+    ],
+)  # fmt: skip
+def test_a_config_that_does_not_fit_its_checkpoint_is_refused(
+    llama: Path, changes: dict[str, object], expected: str
+) -> None:
+    """Before anything is sized by the config: a vocabulary of 10**9 must be refused, not allocated."""
+    with pytest.raises(ModelRefused, match=expected):
+        load(llama, **changes)

@@ -21,7 +21,7 @@ from services.common.default_model import default_model_dir
 from services.worker.core.engine import EngineCore
 from services.worker.core.engine_config import EngineConfig
 from services.worker.kv.local import LocalKVCache
-from services.worker.models import CausalLM, load_model
+from services.worker.models import CausalLM, ModelRefused, load_model
 from services.worker.models.quantized import int8_activations, quantize_int8
 from tests.compressed import compress_checkpoint
 from tests.kernels.test_cpu_rowwise import int8_rows
@@ -171,7 +171,7 @@ def test_a_missing_or_misshapen_scale_is_refused(tmp_path: Path) -> None:
         tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
     scale = tensors.pop(name)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=name):
+    with pytest.raises(ModelRefused, match=name):
         load_model(folder, dtype=torch.float32, device=CPU, backend=backend("torch"))
     save_file({**tensors, name: scale[:-1]}, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(

@@ -66,6 +66,12 @@ def test_a_bad_value_names_its_flag(argv: list[str], message: str) -> None:
         settings.from_args(Example, parse(Example, *argv))
 
 
+def test_a_worker_refuses_more_torch_threads_than_a_machine_runs() -> None:
+    """--threads 100000 would start that many OpenMP threads and take the machine's process ids."""
+    with pytest.raises(ValueError, match="--threads must be between 0 and 1024, got 5000"):
+        settings.from_args(WorkerConfig, parse(WorkerConfig, "--threads", "5000"))
+
+
 def test_argparse_refuses_a_value_outside_the_literal(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse(Example, "--page", "12")

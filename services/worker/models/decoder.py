@@ -122,6 +122,8 @@ class CausalLM:
                 partial_rotary_factor(config),
             ):
                 raise ValueError("partial rotary that differs between layer types is not supported")
+        if config.num_attention_heads <= 0:
+            raise ValueError(f"the config.json's num_attention_heads is {config.num_attention_heads}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         turned = rotary_dim(config, head_dim)
         if turned <= 0 or turned % 2 or (head_dim - turned) % 2:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.kernels.backend import KernelBackend
@@ -81,9 +82,24 @@ def load_model(
     """The model in model_dir (config.json and safetensors), on device, through backend; with int8, its
     linear layers' weights quantized (those the checkpoint stores quantized stay as they are); each linear
     layer's weight in the layout backend reads best."""
-    spec = load_spec(model_dir)
-    weights = load_weights(model_dir, spec, dtype, device)
+    try:
+        spec = load_spec(model_dir)
+        weights = load_weights(model_dir, spec, dtype, device)
+    except ModelRefused:
+        raise
+    except ZeroDivisionError as exc:  # transformers' config, from a size of 0
+        raise ModelRefused(f"{model_dir}: its config.json divides by zero ({exc}): is a size 0?") from exc
+    except (ValueError, KeyError, OSError, SafetensorError) as exc:  # the folder's config or checkpoint
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise ModelRefused(f"{model_dir}: {reason}") from exc
     if quantization == "int8":
         quantize_linears(weights)
     weights.map_linears(lambda weight: backend.prepare_linear(weight, dtype))
-    return family_of(spec.hf_config)(spec, weights, backend)
+    model = family_of(spec.hf_config)(spec, weights, backend)
+    experts = next((layer.experts for layer in weights.layers if layer.experts is not None), None)
+    if experts is not None and not 1 <= model.routing.top_k <= experts.router.shape[0]:
+        raise ModelRefused(
+            f"{model_dir}: num_experts_per_tok is {model.routing.top_k}, where the checkpoint has "
+            f"{experts.router.shape[0]} experts a layer"
+        )
+    return model

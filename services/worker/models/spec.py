@@ -32,6 +32,10 @@ class ModelSpec:
     hf_config: Any  # the transformers config, for rotary parameters
 
     def __post_init__(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        for name in sizes:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"the config.json's {name} is {getattr(self, name)}; it must be above 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.num_heads} attention heads do not split into {self.num_kv_heads} KV heads"
@@ -58,7 +62,8 @@ class ModelSpec:
     def from_hf(
         cls, config: PretrainedConfig, eos_token_ids: tuple[int, ...] = (), *, qk_norm: bool = False
     ) -> ModelSpec:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads > 0 else 0)
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,

@@ -119,6 +119,11 @@ class Checkpoint:
             return self.maybe_linear(f"{prefix}{whole}.weight")
         if any(part is None for part in separate):
             raise KeyError(f"the checkpoint has some but not all of {parts}")
+        widths = [list(part.shape) for part in separate]  # type: ignore[union-attr]
+        if len({shape[1] for shape in widths}) > 1:
+            named = f"{', '.join(parts[:-1])} and {parts[-1]}"
+            found = f"{', '.join(map(str, widths[:-1]))} and {widths[-1]}"
+            raise ValueError(f"{prefix}{named} are {found}: not one width")
         return concat(separate)  # type: ignore[arg-type]
 
     def bias(self, prefix: str, parts: tuple[str, ...], whole: str) -> torch.Tensor | None:
@@ -168,6 +173,7 @@ def weights_from_state_dict(
         )
         if spec.qk_norm and layers[-1].q_norm is None:
             raise KeyError(f"layer {i} has no q_norm weight, which {spec.model_type} needs")
+        _check_layer(layers[-1], spec, layer)
         if spec.rotary_dim < spec.head_dim:
             _lay_out_for_partial_rotary(layers[-1], spec)
     embed = take("model.embed_tokens.weight")
@@ -178,7 +184,46 @@ def weights_from_state_dict(
         raise KeyError("the checkpoint has no lm_head.weight and does not tie it to the embedding")
     norm = take("model.norm.weight")
     checkpoint.check_all_taken()
+    vocab, hidden = spec.vocab_size, spec.hidden_size
+    _expect("model.embed_tokens.weight", embed, (vocab, hidden))
+    _expect("lm_head.weight", lm_head, (vocab, hidden))
+    _expect("model.norm.weight", norm, (hidden,))
     return Weights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def _expect(name: str, tensor: Weight | None, *shapes: tuple[int, ...]) -> None:
+    """ValueError unless the tensor (where there is one) has one of the shapes the config gives: a
+    checkpoint that does not match its config would load, serve, and fail every request."""
+    if tensor is not None and tuple(tensor.shape) not in shapes:
+        wanted = " or ".join(str(list(shape)) for shape in shapes)
+        raise ValueError(f"{name} is {list(tensor.shape)}, where the config.json gives {wanted}")
+
+
+def _check_layer(layer: LayerWeights, spec: ModelSpec, prefix: str) -> None:
+    hidden, dim = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * dim, spec.num_kv_heads * dim
+    _expect(f"{prefix}self_attn q, k and v", layer.qkv, (q + 2 * kv, hidden))
+    _expect(f"{prefix}self_attn q, k and v's bias", layer.qkv_bias, (q + 2 * kv,))
+    _expect(f"{prefix}self_attn.q_norm.weight", layer.q_norm, (dim,), (q,))
+    _expect(f"{prefix}self_attn.k_norm.weight", layer.k_norm, (dim,), (kv,))
+    _expect(f"{prefix}self_attn.o_proj.weight", layer.o, (hidden, q))
+    _expect(f"{prefix}self_attn.sinks", layer.sinks, (spec.num_heads,))
+    for name in ("input_norm", "post_norm", "pre_mlp_norm", "post_mlp_norm", "o_bias", "down_bias"):
+        _expect(f"{prefix}{name}", getattr(layer, name), (hidden,))
+    if layer.gate_up is not None:
+        inner = layer.gate_up.shape[0] // 2
+        _expect(f"{prefix}mlp gate and up", layer.gate_up, (2 * inner, hidden))
+        _expect(f"{prefix}mlp gate and up's bias", layer.gate_up_bias, (2 * inner,))
+        _expect(f"{prefix}mlp.down_proj.weight", layer.down, (hidden, inner))
+    if layer.experts is not None:
+        experts = layer.experts
+        count, inner = experts.router.shape[0], experts.down.shape[-1]
+        _expect(f"{prefix}router", experts.router, (count, hidden))
+        _expect(f"{prefix}router's bias", experts.router_bias, (count,))
+        _expect(f"{prefix}experts' gate and up", experts.gate_up, (count, 2 * inner, hidden))
+        _expect(f"{prefix}experts' gate and up bias", experts.gate_up_bias, (count, 2 * inner))
+        _expect(f"{prefix}experts' down", experts.down, (count, hidden, inner))
+        _expect(f"{prefix}experts' down bias", experts.down_bias, (count, hidden))
 
 
 def _experts(
