@@ -112,6 +112,12 @@ def float32_unless_told(extra: tuple[str, ...]) -> tuple[str, ...]:
     return extra if "--dtype" in extra else (*extra, "--dtype", "float32")
 
 
+def run_local_worker(*flags: str) -> subprocess.CompletedProcess[str]:
+    """A worker on an in-process pool (--kv local), run to its end: for what stops one at start."""
+    command = [sys.executable, "-m", "services.cli", "worker", "--kv", "local", *flags]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
 def start_worker(run_dir: Path, daemon_address: str, *extra: str, name: str = "worker") -> ServiceProcess:
     """Start `pagedserve worker` against a daemon, on a unix socket in run_dir."""
     address = f"unix:{run_dir}/{name}.sock"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
 from pagedserve.kernels.torch_ref import TorchBackend
 from pagedserve.plumbing.auth import check_serving_address, secret_interceptor
+from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
 from pagedserve.plumbing.rpc import run_process, start_server, stop_signal
+from pagedserve.plumbing.sizes import format_bytes
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
@@ -178,8 +181,16 @@ def _pool(
 ) -> tuple[KVCache, Callable[[], KVCache] | None]:
     """A KV pool of this shape, and how to lease it anew: the daemon's, or (without one) in-process."""
     if config.daemon_address is None:
+        num_pages = memory_bytes // shape.page_bytes
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+        if num_pages < 2 or (config.device == "cpu" and memory_bytes > physical):
+            raise InvalidArgument(
+                f"--kv-memory {format_bytes(memory_bytes)} makes {num_pages} pages of "
+                f"{format_bytes(shape.page_bytes)}: an in-process pool takes 2 pages or more, and at most "
+                f"this machine's {format_bytes(physical)} of memory"
+            )
         device = torch.device(config.device)
-        return LocalKVCache(shape, memory_bytes // shape.page_bytes, model_id=namespace, device=device), None
+        return LocalKVCache(shape, num_pages, model_id=namespace, device=device), None
     attach = functools.partial(
         DaemonKVCache,
         config.daemon_address,
@@ -350,4 +361,4 @@ def run(config: WorkerConfig) -> int:
     check_serving_address("pagedserve worker", config.secret, config.address)
     setup_logging(f"worker[{config.name}]", config.log_level)
     # At start: the daemon refused or is not there, or the model is refused.
-    return run_process(serve(config), log, (DaemonError, ModelRefused, FileNotFoundError))
+    return run_process(serve(config), log, (DaemonError, ModelRefused, FileNotFoundError, InvalidArgument))

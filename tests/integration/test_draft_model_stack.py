@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from tests.integration.streams import joined
 from tests.integration.test_faults import pid_of
 from tests.integration.test_speculative_stack import SAMPLINGS, Stub, off_and_on, run
 from tests.models import make_model
-from tests.procs import REPO, Stack, module_stack, start_daemon, start_worker
+from tests.procs import Stack, module_stack, run_local_worker, start_daemon, start_worker
 from tests.waiting import wait_until
 
 
@@ -86,21 +84,16 @@ def test_the_draft_models_drafts_give_speculation_offs_tokens(
     assert any(name.endswith("/draft") for name in leases), leases
 
 
-def worker(*flags: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "services.cli", "worker", "--kv", "local", *flags]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
-
-
 def test_speculative_draft_and_draft_model_go_together() -> None:
     for flags in (["--speculative", "draft"], ["--draft-model", str(default_model_dir())]):
-        done = worker(*flags)
+        done = run_local_worker(*flags)
         assert done.returncode == 2, done.stderr
         assert "--speculative draft and --draft-model DIR go together" in done.stderr
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
     other = make_model("llama", tmp_path / "other")
-    done = worker(
+    done = run_local_worker(
         "--speculative", "draft", "--draft-model", str(other), "--address", f"unix:{tmp_path}/w.sock"
     )
     assert done.returncode == 1, done.stderr[-2000:]
@@ -114,7 +107,7 @@ def test_a_draft_model_of_a_smaller_vocabulary_is_refused(tmp_path: Path) -> Non
     draft = make_model("llama", tmp_path / "draft", vocab_size=256)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(target / name, draft / name)
-    done = worker(
+    done = run_local_worker(
         *("--model", str(target), "--speculative", "draft", "--draft-model", str(draft)),
         *("--address", f"unix:{tmp_path}/w.sock"),
     )
@@ -131,7 +124,7 @@ def test_a_model_that_does_not_fit_its_config_stops_the_worker_in_one_line(tmp_p
     tensors = load_file(folder / "model.safetensors")
     tensors["model.layers.1.post_attention_layernorm.weight"] = torch.ones(7)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    done = worker("--model", str(folder), "--address", f"unix:{tmp_path}/w.sock")
+    done = run_local_worker("--model", str(folder), "--address", f"unix:{tmp_path}/w.sock")
     assert done.returncode == 1, done.stderr[-2000:]
     (line,) = [line for line in done.stderr.splitlines() if "cannot start" in line]
     assert line.endswith(

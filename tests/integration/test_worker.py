@@ -21,7 +21,7 @@ from services.common.default_model import default_model_dir
 from services.common.sampling import SamplingOptions
 from tests.clients import internal_channel, pool_counts, wait_for_every_page
 from tests.integration.worker_stream import WorkerStream, submit_of, tokens
-from tests.procs import DaemonProcess, ServiceProcess, start_daemon, start_worker
+from tests.procs import DaemonProcess, ServiceProcess, run_local_worker, start_daemon, start_worker
 from tests.waiting import wait_until
 
 Reason = generation_pb2.GenerateResponse.FinishReason
@@ -271,3 +271,18 @@ def test_a_worker_reuses_only_the_pages_its_own_precision_computed(
         stats = memory_pb2_grpc.MemoryDaemonStub(channel).GetStats(memory_pb2.GetStatsRequest())
     namespaces = {publisher.model_id.split("@")[1] for pool in stats.pools for publisher in pool.publishers}
     assert {"bfloat16", "float32-kv-bfloat16", "float32"} < namespaces and len(namespaces) == 4, namespaces
+
+
+@pytest.mark.parametrize(("memory", "pages"), [("1TiB", 1491308), ("1", 0)])
+def test_an_in_process_pool_too_large_for_the_machine_or_of_no_page_is_refused(
+    tmp_path: Path, memory: str, pages: int
+) -> None:
+    """Without a daemon the worker sizes its pool itself: 1 TiB once grew its page books to 15 GB of memory
+    before the pool's allocation failed, with a traceback; now one line says why, before anything is made."""
+    done = run_local_worker(
+        *("--kv-memory", memory, "--kernels", "torch", "--dtype", "float32"),
+        *("--address", f"unix:{tmp_path}/w.sock"),
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"makes {pages} pages of 720.00 KiB: an in-process pool takes 2 pages or more" in done.stderr
+    assert "Traceback" not in done.stderr
