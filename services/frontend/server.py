@@ -68,10 +68,17 @@ async def serve(config: FrontendConfig) -> None:
         await _serve(config, inner)
 
 
+class NoTokenizer(ValueError):
+    """The model folder has no tokenizer this frontend can load: it stops at start and says why."""
+
+
 async def _serve(config: FrontendConfig, inner: str) -> None:
-    model_dir = resolve_model(config.model)
-    # transformers' tokenizers backend, not AutoTokenizer, which loads torch.
-    tokenizer = await asyncio.to_thread(PreTrainedTokenizerFast.from_pretrained, model_dir)
+    try:
+        model_dir = resolve_model(config.model)
+        # transformers' tokenizers backend, not AutoTokenizer, which loads torch.
+        tokenizer = await asyncio.to_thread(PreTrainedTokenizerFast.from_pretrained, model_dir)
+    except (OSError, ValueError) as exc:  # no folder, no tokenizer, or a broken one
+        raise NoTokenizer(f"no tokenizer from {config.model or 'the default model'}: {exc}") from None
     model_id = config.model_id or model_identity(model_dir)
     workers_changed = asyncio.Event()
     guard = GuardedPort(
@@ -242,4 +249,4 @@ def _is_loopback(address: str) -> bool:
 
 def run(config: FrontendConfig) -> int:
     setup_logging("frontend", config.log_level)
-    return run_process(serve(config), log)
+    return run_process(serve(config), log, (NoTokenizer,))

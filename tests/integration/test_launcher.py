@@ -195,6 +195,25 @@ def test_a_taken_port_stops_the_start_saying_so(command: str, run_dir: Path) -> 
         assert "daemon |" not in log, log  # no child started
 
 
+@pytest.mark.parametrize("folder", ["missing", "broken tokenizer"])
+def test_a_frontend_without_a_tokenizer_stops_saying_so(folder: str, tmp_path: Path) -> None:
+    """A model folder that is not there, or whose tokenizer.json does not parse: one line, no traceback."""
+    model = tmp_path / "model"
+    if folder == "broken tokenizer":
+        make_model("llama", model)
+        (model / "tokenizer.json").write_text("{x")
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "frontend", "--model", str(model), "--address", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 1, done.stderr
+    reason = "it has no config.json" if folder == "missing" else "Expecting property name"
+    assert re.search(rf"cannot start: no tokenizer from {model}: .*{reason}", done.stderr), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_full_queue_is_refused_and_waiting_requests_go_by_priority(
     two_workers: Stack, tmp_path: Path
 ) -> None:
