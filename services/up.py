@@ -48,6 +48,7 @@ from pagedserve.plumbing.metrics import METRICS_HOST, metrics_url
 from pagedserve.plumbing.private import private_folder, write_private_file
 from pagedserve.plumbing.rpc import CannotListen, listen_refusal
 from pagedserve.plumbing.settings import positive, setting, tcp_port
+from services.common.default_model import resolve_model
 from services.frontend.config import EVERY_WORKER_HEALTH, FrontendConfig
 from services.gateway import api_url
 from services.launcher import Child, ChildDied, Interrupted, Launcher, free_port
@@ -137,6 +138,8 @@ def run(plan: Plan) -> int:
         signal.signal(signum, lambda *_: launcher.stopping.set())
     address = f"{stack.host}:{stack.port or free_port(stack.host)}"
     try:
+        if plan.model is not None:
+            resolve_model(plan.model)  # a folder that is no model stops the start before any child
         endpoints = _start_stack(launcher, plan, address)
         _write_json(run_dir / "endpoints.json", endpoints)
         launcher.say(f"pagedserve is up on {address} with {stack.workers} worker(s); Ctrl-C stops it")
@@ -159,7 +162,7 @@ def run(plan: Plan) -> int:
     except Interrupted as exc:
         launcher.say(str(exc))
         return 0
-    except CannotListen as exc:
+    except (CannotListen, FileNotFoundError) as exc:
         launcher.say(f"cannot start: {exc}")
         return 1
     except (ChildDied, TimeoutError) as exc:

@@ -195,6 +195,21 @@ def test_a_taken_port_stops_the_start_saying_so(command: str, run_dir: Path) -> 
         assert "daemon |" not in log, log  # no child started
 
 
+def test_up_on_a_folder_that_is_no_model_stops_before_any_child(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(tmp_path / "none"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 1, log
+    assert (
+        f"cannot start: {tmp_path / 'none'} is not a Hugging Face model folder: it has no config.json" in log
+    )
+    assert "daemon |" not in log and "Traceback" not in log, log
+
+
 @pytest.mark.parametrize("folder", ["missing", "broken tokenizer"])
 def test_a_frontend_without_a_tokenizer_stops_saying_so(folder: str, tmp_path: Path) -> None:
     """A model folder that is not there, or whose tokenizer.json does not parse: one line, no traceback."""
