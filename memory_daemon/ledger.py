@@ -446,10 +446,7 @@ class PageLedger(RequestChecks):
                 entry.model_id, entry.key, page, entry.parent, entry.token_ids
             )  # its events come with the tier's changes, at the commit
             self.index.remove(page)
-            if kept:
-                self.publishers.demoted(page, entry.key)
-            else:
-                self.publishers.forget(page)
+            self.publishers.left_pool(page, entry.key, kept)
             self._free_page(page)
             self.evictions += 1
 

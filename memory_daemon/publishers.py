@@ -22,10 +22,10 @@ class Publishers:
     def record(self, page: int, lease: Lease) -> None:
         self._by_page[page] = PublisherUsage(lease.worker_id, lease.name, lease.model_id, 0)
 
-    def demoted(self, page: int, key: bytes) -> None:
-        """page left the pool, its copy kept in a lower tier under key: the copy keeps its publisher."""
+    def left_pool(self, page: int, key: bytes, kept: bool) -> None:
+        """page was evicted, its copy kept in a lower tier under key or not: a copy keeps its publisher."""
         publisher = self._by_page.pop(page, None)
-        if publisher is not None:
+        if publisher is not None and kept:
             self._in_tiers[(publisher.model_id, key)] = publisher
 
     def promoted(self, page: int, model_id: str, key: bytes) -> None:

@@ -125,6 +125,7 @@ def test_a_tensor_of_another_shape_than_the_config_gives_is_refused_naming_it(
         ({"vocab_size": 0}, "vocab_size is 0; it must be above 0"),
         ({"vocab_size": 10**9}, r"is \[512, 64\], where the config.json gives \[1000000000, 64\]"),
         ({"num_hidden_layers": 3}, "no tensor 'model.layers.2"),
+        ({"eos_token_id": -5}, r"eos_token_id \[-5\] is not a token of the vocabulary \(0..511\)"),
     ],
 )  # fmt: skip
 def test_a_config_that_does_not_fit_its_checkpoint_is_refused(

@@ -36,6 +36,11 @@ class ModelSpec:
         for name in sizes:
             if getattr(self, name) <= 0:
                 raise ValueError(f"the config.json's {name} is {getattr(self, name)}; it must be above 0")
+        outside = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"eos_token_id {outside} is not a token of the vocabulary (0..{self.vocab_size - 1})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.num_heads} attention heads do not split into {self.num_kv_heads} KV heads"
