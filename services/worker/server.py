@@ -300,7 +300,7 @@ async def serve(config: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     lost = asyncio.Event()
 
-    def on_lost() -> None:  # from the KV cache's listener thread
+    def on_lost() -> None:  # from the KV cache's listener thread, or the engine's (Engine.on_pool_lost)
         loop.call_soon_threadsafe(lost.set)
 
     # One thread loads the model and runs every step. OpenMP keeps a team of threads for each thread that
@@ -310,6 +310,9 @@ async def serve(config: WorkerConfig) -> None:
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     try:
         loaded = await loop.run_in_executor(compute, load_worker, config, on_lost)
+        # A step whose daemon call failed (a paused daemon's timeout, say) has suspended the engine, but the
+        # lease's stream may live on: re-attach all the same, or the worker stays suspended.
+        loaded.engine.on_pool_lost = on_lost
         await serve_loaded(config, loaded, compute, lost)
     finally:
         compute.shutdown(wait=False, cancel_futures=True)
@@ -337,10 +340,6 @@ async def serve_loaded(
         service.health = running.health
         heartbeat = asyncio.create_task(service.beat(), name="heartbeat")
         if loaded.attach is not None:
-            # A step whose daemon call failed (a paused daemon's timeout, say) has suspended the engine,
-            # but the lease's stream may live on: re-attach all the same, or the worker stays suspended.
-            loop = asyncio.get_running_loop()
-            engine.on_pool_lost = functools.partial(loop.call_soon_threadsafe, lost.set)
             reattach = asyncio.create_task(keep_attached(engine, loaded, lost, service.refresh))
         stop = stop_signal()
         log.info("worker %r serving on %s", config.name, running.address)

@@ -66,7 +66,7 @@ class Engine:
         self.suspended: str | None = None  # why new requests are refused: the KV pool is out of reach
         # Called from the engine's thread when a step finds the pool out of reach (a daemon call failed):
         # the worker then leases anew, as when the daemon ends the lease itself.
-        self.on_pool_lost: Callable[[], object] | None = None
+        self.on_pool_lost: Callable[[], None] | None = None
         self._stats = EngineStats()
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []

@@ -67,8 +67,7 @@ class ModelSpec:
     def from_hf(
         cls, config: PretrainedConfig, eos_token_ids: tuple[int, ...] = (), *, qk_norm: bool = False
     ) -> ModelSpec:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads > 0 else 0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
