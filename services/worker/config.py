@@ -67,6 +67,12 @@ class WorkerConfig:
         shown_default="1GiB",
     )
     page_size: PageSize = setting(16, "tokens a KV page holds")
+    max_model_len: int | None = setting(
+        None,
+        "the most tokens a sequence holds, prompt and output (default: the model's max_position_embeddings, "
+        "which it may not exceed); the rotary table is sized by it",
+        check=positive,
+    )
     threads: int = setting(0, "torch threads; 0 keeps torch's choice", check=between(0, 1024))
     kernels: Literal["auto", "torch", "cpu", "cupy"] = setting(
         "auto",

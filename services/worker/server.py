@@ -128,9 +128,19 @@ def load_worker(config: WorkerConfig, on_lost: Callable[[], None] | None = None)
     dtype, why = model_dtype(config, backend)
     log.info("dtype: %s", why)
     model = load_model(
-        model_dir, dtype=dtype, device=device, backend=backend, quantization=config.quantization
+        model_dir,
+        dtype=dtype,
+        device=device,
+        backend=backend,
+        quantization=config.quantization,
+        max_model_len=config.max_model_len,
     )
     spec = model.spec
+    if config.max_model_len is not None and config.max_model_len > spec.max_model_len:
+        raise ModelRefused(
+            f"--max-model-len {config.max_model_len} is above {model_dir}'s max_position_embeddings "
+            f"({spec.max_model_len}): the model was not trained on positions past it"
+        )
     model_id = config.model_id or model_identity(model_dir)
     dtype_name = str(dtype).removeprefix("torch.")
     kv_dtype = dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
@@ -226,7 +236,12 @@ def _load_draft(
             "the target's"
         )
     model = load_model(
-        draft_dir, dtype=target.dtype, device=target.device, backend=backend, quantization=config.quantization
+        draft_dir,
+        dtype=target.dtype,
+        device=target.device,
+        backend=backend,
+        quantization=config.quantization,
+        max_model_len=target.spec.max_model_len,  # a draft proposes nothing past the target's context
     )
     if model.spec.vocab_size < target.spec.vocab_size:  # the target's ids past it would index nothing
         raise ModelRefused(

@@ -1,6 +1,8 @@
 """A request whose max_tokens is past the context's room, as a client sees it on a real stack: it goes to the
 worker as asked, and generation ends with LENGTH at the context's end, under min_tokens too, for every
-sample, and on SMG's vLLM protocol alike. A small random model (context 512) keeps prompts that fill it fast.
+sample, and on SMG's vLLM protocol alike. A small random model keeps prompts that fill it fast: its worker
+serves a context of 512 (--max-model-len), where its config.json gives 10**12 positions, whose rotary
+table no machine holds.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ from services.client import generate_request
 from tests.models import make_model
 from tests.procs import Stack, start_stack
 
-CONTEXT = 512  # the model's max_position_embeddings
+CONTEXT = 512  # the stack's --max-model-len
 TOKEN = 5  # any ordinary token id, for prompts of an exact length
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     run_dir = Path(tempfile.mkdtemp(prefix="ps-"))
-    model = make_model("llama", run_dir / "model")
-    running = start_stack(run_dir, "--model", str(model), "--kv-memory", "64MiB")
+    model = make_model("llama", run_dir / "model", max_position_embeddings=10**12)
+    flags = ("--model", str(model), "--kv-memory", "64MiB", "--max-model-len", str(CONTEXT))
+    running = start_stack(run_dir, *flags)
     yield running
     assert running.stop() == 0, running.log()
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -81,3 +84,13 @@ def test_the_vllm_protocol_ends_with_length_at_the_contexts_end(channel: grpc.Ch
     )
     (reply,) = stub.Generate(request, timeout=60)
     assert (reply.complete.finish_reason, len(reply.complete.output_ids)) == ("length", 2)
+
+
+def test_a_prompt_that_fills_the_context_is_refused_naming_it(channel: grpc.Channel) -> None:
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(generate_request(token_ids=[TOKEN] * CONTEXT), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"the prompt has {CONTEXT} tokens, but the model's context is {CONTEXT} tokens" in (
+        refused.value.details()
+    )

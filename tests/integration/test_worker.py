@@ -286,3 +286,15 @@ def test_an_in_process_pool_too_large_for_the_machine_or_of_no_page_is_refused(
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"makes {pages} pages of 720.00 KiB: an in-process pool takes 2 pages or more" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_context_past_the_models_positions_is_refused(tmp_path: Path) -> None:
+    """--max-model-len may shorten the model's context, not stretch it past what it was trained on."""
+    done = run_local_worker(
+        *("--max-model-len", "8193", "--kernels", "torch", "--dtype", "float32"),
+        *("--address", f"unix:{tmp_path}/w.sock"),
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "--max-model-len 8193 is above" in done.stderr
+    assert "max_position_embeddings (8192): the model was not trained on positions past it" in done.stderr
+    assert "Traceback" not in done.stderr

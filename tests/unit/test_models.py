@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.kernels.torch_ref import TorchBackend
-from services.worker.models import SUPPORTED, ModelRefused, load_model
+from services.worker.models import SUPPORTED, CausalLM, ModelRefused, load_model
 from services.worker.models.gemma import Gemma2, Gemma3
 from services.worker.models.gpt_oss import GptOss
 from services.worker.models.granite import Granite
@@ -24,11 +24,13 @@ from tests.models import make_model
 CPU = torch.device("cpu")
 
 
-def load(folder: Path, **changes: object) -> object:
+def load(folder: Path, max_model_len: int | None = None, **changes: object) -> CausalLM:
     """load_model on folder, with changes made to its config.json first."""
     path = folder / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-    return load_model(folder, dtype=torch.float32, device=CPU, backend=TorchBackend())
+    return load_model(
+        folder, dtype=torch.float32, device=CPU, backend=TorchBackend(), max_model_len=max_model_len
+    )
 
 
 @pytest.fixture
@@ -126,6 +128,9 @@ def test_a_tensor_of_another_shape_than_the_config_gives_is_refused_naming_it(
         ({"vocab_size": 10**9}, r"is \[512, 64\], where the config.json gives \[1000000000, 64\]"),
         ({"num_hidden_layers": 3}, "no tensor 'model.layers.2"),
         ({"eos_token_id": -5}, r"eos_token_id \[-5\] is not a token of the vocabulary \(0..511\)"),
+        ({"num_hidden_layers": "2"}, "'num_hidden_layers' expected int, got str"),
+        ({"quantization_config": []}, "its config.json has a field of the wrong type"),
+        ({"max_position_embeddings": 10**12}, r"rotary table of .* a shorter one with --max-model-len"),
     ],
 )  # fmt: skip
 def test_a_config_that_does_not_fit_its_checkpoint_is_refused(
@@ -134,3 +139,10 @@ def test_a_config_that_does_not_fit_its_checkpoint_is_refused(
     """Before anything is sized by the config: a vocabulary of 10**9 must be refused, not allocated."""
     with pytest.raises(ModelRefused, match=expected):
         load(llama, **changes)
+
+
+def test_a_shorter_context_than_the_configs_sizes_the_rotary_tables_by_it(llama: Path) -> None:
+    """--max-model-len: a config of 10**12 positions (refused above) serves a context of 64."""
+    model = load(llama, max_model_len=64, max_position_embeddings=10**12)
+    assert model.spec.max_model_len == 64
+    assert {layer.cos_sin.shape[0] for layer in model.layers} == {64}

@@ -164,6 +164,18 @@ def test_a_scheme_not_computed_exactly_is_refused_with_its_reason(
         load_model(folder, dtype=torch.float32, device=CPU, backend=backend("torch"))
 
 
+def test_config_groups_of_another_shape_than_compressed_tensors_are_refused(tmp_path: Path) -> None:
+    """A list where the format has a mapping used to stop the load with an AttributeError's traceback."""
+    folder = compress_checkpoint(make_model("llama", tmp_path / "source"), tmp_path / "int8", "int8")
+    config = json.loads((folder / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    for shape in (list(groups), {"group_0": ["Linear"]}):
+        config["quantization_config"]["config_groups"] = shape
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelRefused, match="config_groups is not compressed-tensors' mapping"):
+            load_model(folder, dtype=torch.float32, device=CPU, backend=backend("torch"))
+
+
 def test_a_missing_or_misshapen_scale_is_refused(tmp_path: Path) -> None:
     folder = compress_checkpoint(make_model("llama", tmp_path / "source"), tmp_path / "int8", "int8")
     name = "model.layers.1.mlp.down_proj.weight_scale"

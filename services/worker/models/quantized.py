@@ -106,7 +106,15 @@ def check_checkpoint(quantization: dict[str, Any]) -> None:
             f"the checkpoint is quantized ({method}); pagedserve loads unquantized weights (bf16, fp16 or "
             "fp32), or int8 and FP8 weights in compressed-tensors' format"
         )
-    for name, group in (quantization.get("config_groups") or {}).items():
+    groups = quantization.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(
+        isinstance(group, dict) and isinstance(group.get("weights") or {}, dict) for group in groups.values()
+    ):
+        raise ValueError(
+            "the checkpoint's quantization_config.config_groups is not compressed-tensors' mapping of group "
+            'names to schemes, each with its "weights" scheme as a mapping'
+        )
+    for name, group in groups.items():
         scheme = group.get("weights") or {}
         kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
         problems = [

@@ -6,9 +6,12 @@ random model of it in tests/models.py, which the engine's parity tests then run.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import errors as hub_errors
 from safetensors import SafetensorError
 from transformers import AutoConfig, PretrainedConfig
 
@@ -41,6 +44,8 @@ FAMILIES: tuple[type[CausalLM], ...] = (
 )
 BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 SUPPORTED = tuple(sorted(BY_MODEL_TYPE))
+# transformers 5 checks config.json's types as it reads it (a size given as a string); 4.x did not.
+CONFIG_TYPE_ERROR = getattr(hub_errors, "StrictDataclassError", ValueError)
 
 
 class ModelRefused(ValueError):
@@ -67,7 +72,10 @@ def family_of(config: PretrainedConfig) -> type[CausalLM]:
 
 def load_spec(model_dir: Path) -> ModelSpec:
     """The spec of the model in model_dir, by its family; ValueError when no family runs it."""
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (AttributeError, TypeError) as exc:  # transformers' own, on a field of the wrong type
+        raise ValueError(f"its config.json has a field of the wrong type ({exc})") from exc
     return ModelSpec.from_hf(config, eos_token_ids(model_dir, config), qk_norm=family_of(config).qk_norm)
 
 
@@ -78,19 +86,22 @@ def load_model(
     device: torch.device,
     backend: KernelBackend,
     quantization: Quantization = "none",
+    max_model_len: int | None = None,
 ) -> CausalLM:
     """The model in model_dir (config.json and safetensors), on device, through backend; with int8, its
     linear layers' weights quantized (those the checkpoint stores quantized stay as they are); each linear
-    layer's weight in the layout backend reads best."""
+    layer's weight in the layout backend reads best. Its context is max_model_len where that is shorter
+    than the config's max_position_embeddings."""
     try:
-        spec = load_spec(model_dir)
+        spec = with_context(load_spec(model_dir), max_model_len)
+        check_rotary_fits(spec)
         weights = load_weights(model_dir, spec, dtype, device)
     except ModelRefused:
         raise
     except ZeroDivisionError as exc:  # transformers' config, from a size of 0
         raise ModelRefused(f"{model_dir}: its config.json divides by zero ({exc}): is a size 0?") from exc
-    except (ValueError, KeyError, OSError, SafetensorError) as exc:  # the folder's config or checkpoint
-        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    except (ValueError, KeyError, OSError, SafetensorError, CONFIG_TYPE_ERROR) as exc:  # config or checkpoint
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else " ".join(str(exc).split())
         raise ModelRefused(f"{model_dir}: {reason}") from exc
     if quantization == "int8":
         quantize_linears(weights)
@@ -103,3 +114,22 @@ def load_model(
             f"{experts.router.shape[0]} experts a layer"
         )
     return model
+
+
+def with_context(spec: ModelSpec, max_model_len: int | None) -> ModelSpec:
+    """spec, serving at most max_model_len tokens a sequence (None: the config's max_position_embeddings)."""
+    if max_model_len is None or max_model_len >= spec.max_model_len:
+        return spec
+    return dataclasses.replace(spec, max_model_len=max_model_len)
+
+
+def check_rotary_fits(spec: ModelSpec) -> None:
+    """Refuse a context whose rotary table (cos and sin of every position, built in float32 in this
+    process's memory) would take more than an eighth of the machine's: a config.json may give 10**12."""
+    table_gib = spec.max_model_len * spec.head_dim * 2 * 4 / 2**30
+    memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE") / 2**30
+    if table_gib > memory_gib / 8:
+        raise ModelRefused(
+            f"a context of {spec.max_model_len} tokens needs a rotary table of {table_gib:.1f} GiB, more "
+            f"than an eighth of this machine's {memory_gib:.1f} GiB: serve a shorter one with --max-model-len"
+        )
