@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pagedserve.plumbing.rpc import wait_for_health
@@ -452,3 +453,15 @@ def test_a_model_of_an_unsupported_family_is_refused_at_load_naming_the_supporte
     assert stack.proc.wait(timeout=120) == 1, stack.log()
     assert f"model_type 'cohere' is not supported; pagedserve runs {', '.join(SUPPORTED)}" in stack.log()
     assert "pagedserve is up" not in stack.log() and not stack.survivors()
+
+
+def test_a_checkpoint_holding_a_nan_is_refused_at_load_naming_the_tensor(tmp_path: Path) -> None:
+    """It used to load, report SERVING, and stream tokens of no meaning with NaN logprobs."""
+    model_dir = make_model("llama", tmp_path / "model")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    stack = launch_stack(tmp_path, "--model", str(model_dir), "--kv-memory", "64MiB", "--no-restart")
+    assert stack.proc.wait(timeout=120) == 1, stack.log()
+    assert "model.layers.1.mlp.up_proj.weight holds NaN or infinite values in" in stack.log()
+    assert "Traceback" not in stack.log() and not stack.survivors()

@@ -146,3 +146,18 @@ def test_a_shorter_context_than_the_configs_sizes_the_rotary_tables_by_it(llama:
     model = load(llama, max_model_len=64, max_position_embeddings=10**12)
     assert model.spec.max_model_len == 64
     assert {layer.cos_sin.shape[0] for layer in model.layers} == {64}
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype"), [(float("nan"), torch.float32), (float("-inf"), torch.float32), (1e5, torch.float16)]
+)
+def test_a_weight_that_is_not_finite_in_the_models_dtype_is_refused(
+    llama: Path, value: float, dtype: torch.dtype
+) -> None:
+    """A damaged checkpoint, or a value past the dtype's range (fp16's is 65504), would serve NaNs."""
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"][0, 0] = value
+    save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ModelRefused, match=f"k_proj.weight holds NaN or infinite values in {name}"):
+        load_model(llama, dtype=dtype, device=CPU, backend=TorchBackend())

@@ -98,13 +98,26 @@ class Checkpoint:
         tensor = self.pop(name)
         if tensor.dtype in STORED_DTYPES:
             raise ValueError(f"{name} is stored in 8 bits; pagedserve loads only linear layers' weights so")
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return self._finite(name, tensor.to(device=self.device, dtype=self.dtype))
 
     def take_linear(self, name: str) -> Weight:
         tensor = self.pop(name)
         if tensor.dtype not in STORED_DTYPES:
-            return tensor.to(device=self.device, dtype=self.dtype)
-        return stored(tensor, self.pop(name + SCALE_SUFFIX), self.device)
+            return self._finite(name, tensor.to(device=self.device, dtype=self.dtype))
+        weight = stored(tensor, self.pop(name + SCALE_SUFFIX), self.device)
+        self._finite(name + SCALE_SUFFIX, weight.scale)
+        return weight
+
+    def _finite(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """tensor, unless it holds a NaN or an infinity: a damaged checkpoint, or values past the model
+        dtype's range, would serve NaN logprobs and tokens of no meaning, and report SERVING."""
+        # A sum is NaN or infinite where an element is; torch's isfinite took 30 times as long on bf16.
+        if not torch.isfinite(tensor.float().sum()):
+            raise ValueError(
+                f"{name} holds NaN or infinite values in {str(self.dtype).removeprefix('torch.')}: is the "
+                "checkpoint damaged, or its values past that dtype's range?"
+            )
+        return tensor
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.take(name) if name in self.tensors else None
