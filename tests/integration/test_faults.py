@@ -194,6 +194,42 @@ def test_a_paused_daemon_fails_the_call_waiting_on_it_and_the_worker_serves_agai
     assert not stack.survivors()
 
 
+def test_a_step_waiting_on_a_paused_daemon_for_pages_leaves_the_worker_answering(tmp_path: Path) -> None:
+    """Streams that run out of leased pages under a paused daemon wait in their step's Lease for its 10 s
+    deadline. The lease used to hold the lock that the worker's load report takes, so that the worker
+    stopped answering (its frontend saw it silent, not why); now it answers throughout, and says why."""
+    stack = start_stack(tmp_path, "--kv-memory", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            calls = [stub.Generate(generate_request(f"Story {i}:", **LONG)) for i in range(8)]
+            for call in calls:
+                next(call)
+            daemon = pid_of(stack, "daemon")
+            os.kill(daemon, signal.SIGSTOP)
+            try:
+                with internal_channel(stack.worker_address()) as worker:
+                    stub_of_worker = worker_pb2_grpc.WorkerStub(worker)
+                    reasons, deadline = set(), time.monotonic() + 60
+                    while "Lease: DEADLINE_EXCEEDED" not in stack.log().partition("lost the KV pool: ")[2]:
+                        # It answers in 2 s, or DEADLINE_EXCEEDED fails the test.
+                        load = stub_of_worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
+                        reasons.add(load.unavailable)
+                        assert time.monotonic() < deadline, "the step's lease never ran out of time"
+                        time.sleep(0.2)
+            finally:
+                os.kill(daemon, signal.SIGCONT)
+            assert any(reason.startswith("the engine has been in one step for") for reason in reasons)
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(call)
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
+            serves_again_after_reattaching(stack, stub)
+    finally:
+        assert stack.stop() == 0
+    assert not stack.survivors()
+
+
 CLIENT = """
 import sys, threading, grpc
 from pagedserve.v1 import generation_pb2_grpc

@@ -65,10 +65,17 @@ class KVCache(ABC):
         if not 0 < n < self.num_pages:
             raise ValueError(f"allocate takes 1 to the pool's {self.num_pages - 1} pages, got {n}")
         with self._lock:
+            short, idle = n - len(self._idle), len(self._idle)
+            drawn = self._take_drawn() if short > 0 else 0
+        if short > 0:
+            # Lease without the lock: a paused daemon holds the call to its deadline, and meanwhile the
+            # worker's load reports (usage) and the daemon's reclaims take the lock.
+            grant = self._lease(short, drawn, idle)
+            with self._lock:
+                self._accept(*grant)
+        with self._lock:
             if len(self._idle) < n:
-                self._accept(*self._lease(n - len(self._idle), self._take_drawn(), len(self._idle)))
-                if len(self._idle) < n:
-                    return None
+                return None
             pages = self._idle[-n:]
             del self._idle[-n:]
             self._in_use.update(pages)
