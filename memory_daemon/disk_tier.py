@@ -196,6 +196,7 @@ class DiskTier:
                     self._reject(read.name, read.problem)
                 elif read.name in self._size_of and read.name not in self._pending:
                     self._bytes -= self._size_of.pop(read.name)
+                    self._forget_identity(read.name)
                 return None
             if read.name in self._size_of:
                 self._size_of.move_to_end(read.name)

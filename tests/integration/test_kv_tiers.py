@@ -227,6 +227,56 @@ def test_a_graceful_stop_hands_host_memory_down_to_the_disk(
     assert tier_counts(daemons[1]).promotions == 3
 
 
+def next_changes(stream: Iterator[memory_pb2.PrefixIndexBatch], count: int) -> list[tuple[str, int, str]]:
+    """The next count changes (a clear aside) a watcher's stream brings, as (what, page of the prompt,
+    medium), sorted: how they are cut into batches is the daemon's to choose."""
+    keys = page_keys(PROMPT, SHAPE.page_size)
+    seen: list[tuple[str, int, str]] = []
+    while len(seen) < count:
+        for change in next(stream).changes:
+            what = change.WhichOneof("change")
+            if what != "cleared":
+                key = change.stored.key if what == "stored" else change.removed
+                medium = memory_pb2.Medium.Name(change.medium).removeprefix("MEDIUM_").lower()
+                seen.append((what, keys.index(key), medium))
+    return sorted(seen)
+
+
+PAGE_DEMOTED = (("removed", "pool"), ("stored", "host"))  # a page the pool evicts into host memory
+
+
+def test_a_watcher_is_told_each_move_between_the_media_as_it_happens(
+    run_dir: Path, disk: Path, daemons: list[DaemonProcess]
+) -> None:
+    """What a gateway that follows the index gets on the wire as pages move, each change naming its medium
+    (a new watcher's state, as above, holds only where pages are now, never a removal): an eviction takes
+    the prompt's pages out of the pool into host memory, which lets the first go on to the disk; a lookup
+    stores them in the pool again; DropPublished removes them from every medium that has them."""
+    daemons.append(start(run_dir, disk, "--kv-host-memory", TWO_PAGES))
+    publish_prompt(daemons[0])
+    with internal_channel(daemons[0].address) as channel:
+        request = memory_pb2.WatchPrefixIndexRequest(model_id="test-model", after_sequence=0)
+        # A change that never comes ends the stream at its deadline.
+        stream = memory_pb2_grpc.MemoryDaemonStub(channel).WatchPrefixIndex(request, timeout=30)
+        assert next_changes(stream, 3) == [("stored", i, "pool") for i in range(3)]  # the state
+
+        evict_everything(daemons[0])
+        into_host_memory = [(what, i, medium) for i in range(3) for what, medium in PAGE_DEMOTED]
+        on_to_the_disk = [("removed", 0, "host"), ("stored", 0, "disk")]
+        assert next_changes(stream, 8) == sorted(into_host_memory + on_to_the_disk)
+
+        assert looked_up(daemons[0]) == [1.0, 2.0, 3.0]
+        assert next_changes(stream, 3) == [("stored", i, "pool") for i in range(3)]  # the tiers keep theirs
+
+        dropped = memory_pb2_grpc.MemoryDaemonStub(channel).DropPublished(
+            memory_pb2.DropPublishedRequest(worker_name="writer")
+        )
+        assert dropped.pages == 3
+        expected = [("removed", 0, "disk"), *(("removed", i, "host") for i in (1, 2))]
+        assert next_changes(stream, 6) == sorted([("removed", i, "pool") for i in range(3)] + expected)
+    assert media_of_prompt(daemons[0]) == {}
+
+
 def test_a_prefetch_brings_the_chain_back_before_the_lookup(
     run_dir: Path, disk: Path, daemons: list[DaemonProcess]
 ) -> None:
@@ -261,9 +311,12 @@ def test_a_page_damaged_on_disk_is_refused_and_the_prefix_stops_before_it(
     damaged.write_bytes(bytes(data))
 
     daemons.append(restart(daemons[0], disk, tmp_path))
+    assert KVAgent(daemons[1].address, "first", num_pages=POOL_PAGES).close() == 0  # the model's pool made
+    assert media_of_prompt(daemons[1]) == {"disk": {0, 1, 2}}  # from the files' headers: none read yet
     assert looked_up(daemons[1]) == [1.0], "the first page only: the second failed its CRC"
     assert not damaged.exists()
     assert len(list(disk.glob("*.kvpage"))) == 2
+    assert media_of_prompt(daemons[1]) == {"pool": {0}, "disk": {0, 2}}  # the refused page announced gone
 
 
 def test_a_workers_pages_are_dropped_from_the_tiers_too(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memory_daemon.disk_tier import DiskTier, Kept, StoredPage, fingerprint
+from memory_daemon.disk_tier import DiskTier, Kept, StoredPage, file_name, fingerprint
 from memory_daemon.ledger import PageLedger, parents_first
 from memory_daemon.prefix import Published, page_keys
 from memory_daemon.prefix_events import DISK, POOL, Cleared, Stored
@@ -41,10 +41,10 @@ def test_a_page_comes_back_whole_and_the_budget_holds_the_most_recent(tmp_path: 
     assert oct(tier.folder.path.stat().st_mode & 0o777) == "0o700"
     for key in (b"k1", b"k2", b"k3"):
         assert tier.put(OWNER, page(key))
-    assert not tier.put(OWNER, page(b"k1"))  # kept already
-    assert tier.get(OWNER, b"k1") == page(b"k1")  # and now the most recent
-    assert tier.put(OWNER, page(b"k4"))  # over the budget: k2, the least recent, goes
-    assert [tier.has(OWNER, key) for key in (b"k1", b"k2", b"k3", b"k4")] == [True, False, True, True]
+    assert not tier.put(OWNER, page(b"k1"))  # kept already, and now the most recent
+    assert tier.get(OWNER, b"k2") == page(b"k2")  # read: now the most recent
+    assert tier.put(OWNER, page(b"k4"))  # over the budget: k3, the least recent, goes
+    assert [tier.has(OWNER, key) for key in (b"k1", b"k2", b"k3", b"k4")] == [True, True, False, True]
     assert tier.get(fingerprint("model-b", "shape"), b"k1") is None  # another model's key is not ours
     assert tier.get(fingerprint("model-a", "other shape"), b"k1") is None
     counts = tier.counts()
@@ -249,6 +249,61 @@ def test_the_index_events_name_the_medium_a_page_enters_and_leaves(tmp_path: Pat
         (0, DISK, b"", (0, 1, 2, 3)),
         (2, DISK, keys[1], (8, 9, 10, 11)),
     ]
+
+
+def test_a_file_deleted_behind_the_tiers_back_leaves_the_index_once_a_read_misses_it(tmp_path: Path) -> None:
+    """An operator's cleanup of the folder: the lookup finds nothing, and the index no longer says the pages
+    are on disk, nor does DropPublished count them (the tier forgot the files' sizes and not their pages)."""
+    pages = 5
+    disk = inline(tmp_path, 1 << 20)
+    copier = ShmPageCopier(mmap.mmap(-1, pages * SHAPE.page_bytes), SHAPE, pages)
+    ledger = PageLedger(pages, tier=PoolTier(None, disk, copier, SHAPE))
+    lease = ledger.open_lease("w", "m")
+    tokens = list(range(8))
+    keys = page_keys(tokens, SHAPE.page_size)
+    held = ledger.grant(lease, 2)
+    assert held is not None
+    parents = [b"", keys[0]]
+    ledger.update(lease, publish=[Published(keys[i], held[i], parents[i], tuple(tokens[4 * i : 4 * i + 4]))
+                                  for i in range(2)])  # fmt: skip
+    ledger.update(lease, unref=held)
+    taken = ledger.grant(lease, 4)  # evicts both onto the disk
+    assert taken is not None and disk.counts().pages == 2
+    ledger.update(lease, release=taken)
+    for path in files(disk):
+        path.unlink()
+    assert ledger.lookup(lease, keys) == []
+    (snapshot,) = ledger.events_of("m").snapshot()
+    assert [(keys.index(c.key), c.medium) for c in snapshot.changes if isinstance(c, Stored)] == [(1, DISK)]
+    assert ledger.drop_published(name="w") == 1  # the second page's file, which no read has missed yet
+    ledger.check_invariants()
+
+
+def test_a_restarted_ledger_announces_its_tiers_pages_parents_first(tmp_path: Path) -> None:
+    """A restart indexes the files oldest first, and a child's file may be older than its parent's (the
+    parent was evicted later): the events still announce the parent before its child."""
+    keys = page_keys(list(range(8)), SHAPE.page_size)
+    owner, disk = fingerprint("m", SHAPE), inline(tmp_path, 1 << 20)
+    for second, (key, parent) in enumerate([(keys[1], keys[0]), (keys[0], b"")], start=1):  # the child first
+        disk.put(owner, StoredPage(key, parent, (1, 2, 3, 4), bytes(SHAPE.page_bytes)))
+        os.utime(tmp_path / file_name(owner, key), ns=(second * 10**9, second * 10**9))
+    copier = ShmPageCopier(mmap.mmap(-1, 4 * SHAPE.page_bytes), SHAPE, 4)
+    again = PageLedger(4, tier=PoolTier(None, inline(tmp_path, 1 << 20), copier, SHAPE))
+    (snapshot,) = again.events_of("m").snapshot()
+    assert [keys.index(c.key) for c in snapshot.changes if isinstance(c, Stored)] == [0, 1]
+
+
+def test_a_prefetch_stops_the_chain_before_a_damaged_page(tmp_path: Path) -> None:
+    """A prefetch reads the chain's files off the event loop: one that fails its checks is refused, and the
+    pages after it are not installed either, since no lookup can reach them past the gap."""
+    keys = page_keys(list(range(12)), SHAPE.page_size)
+    owner, disk = fingerprint("m", SHAPE), inline(tmp_path, 1 << 20)
+    tier = PoolTier(None, disk, ShmPageCopier(mmap.mmap(-1, 4 * SHAPE.page_bytes), SHAPE, 4), SHAPE)
+    for i, key in enumerate(keys):
+        disk.put(owner, StoredPage(key, keys[i - 1] if i else b"", (i,), bytes([i]) * SHAPE.page_bytes))
+    damage_flip(tmp_path / file_name(owner, keys[1]))
+    assert [page.key for page in tier.settle("m", tier.read("m", keys)())] == keys[:1]
+    assert disk.counts().rejected == 1 and not disk.has(owner, keys[1]) and disk.has(owner, keys[2])
 
 
 def test_a_restarts_pages_are_announced_parents_first() -> None:

@@ -20,6 +20,7 @@ from memory_daemon.tiers import PoolTier, ShmPageCopier
 
 OWNER = fingerprint("model-a", "shape")
 SHAPE = PoolShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
+OWNER_OF_M = fingerprint("m", SHAPE)  # what the tiers keep model m's pages under
 
 
 def stored(key: bytes, size: int = 100) -> StoredPage:
@@ -37,6 +38,17 @@ def test_the_budget_holds_the_most_recently_used_and_hands_the_rest_back() -> No
     counts = tier.counts()
     assert (counts.pages, counts.bytes, counts.demotions, counts.dropped) == (2, 200, 3, 1)
     assert tier.discard_owner(OWNER) == 2 and tier.counts().bytes == 0
+
+
+def test_a_drain_hands_every_page_down_least_recently_used_first() -> None:
+    """A graceful stop writes the drained pages to the disk in this order, so that a disk short of room
+    drops the oldest of them for the newer."""
+    tier = HostTier(capacity_bytes=1000)
+    for key in (b"a", b"b", b"c"):
+        tier.put(OWNER, stored(key))
+    assert tier.get(OWNER, b"a") is not None  # now the most recent
+    assert [page.key for _, page in tier.drain()] == [b"b", b"c", b"a"]
+    assert tier.counts().pages == 0 and tier.counts().bytes == 0 and not tier.has(OWNER, b"a")
 
 
 class Pool:
@@ -124,6 +136,8 @@ def test_without_a_disk_the_pages_host_memory_lets_go_are_dropped(tmp_path: Path
     found = pool.ledger.lookup(pool.lease, pool.keys)
     assert found == []  # the chain's first page is gone, so nothing after it can be reached
     assert ("Removed", 0, HOST) in pool.changes()
+    # The publisher is forgotten with a copy no tier keeps: a drop counts only the one host memory kept.
+    assert pool.ledger.drop_published(name="w") == 1
 
 
 def test_a_page_flushed_while_a_prefetch_reads_it_does_not_come_back(tmp_path: Path) -> None:
@@ -136,6 +150,35 @@ def test_a_page_flushed_while_a_prefetch_reads_it_does_not_come_back(tmp_path: P
     assert pool.ledger.admit_promoted("m", tier.settle("m", reading())) == 0
     assert pool.ledger.lookup(pool.lease, pool.keys) == []
     pool.ledger.check_invariants()
+
+
+def test_a_page_both_tiers_keep_comes_back_from_host_memory_reading_no_file(tmp_path: Path) -> None:
+    """A page host memory let go to the disk, promoted and evicted again, is in both tiers: a lookup and a
+    prefetch's read take host memory's copy, and no file is read."""
+    pool = Pool(tmp_path, pages=5, host_pages=1, disk=True)
+    pool.evict_all()  # page 2 in host memory, pages 0 and 1 on disk
+    pool.ledger.update(pool.lease, unref=pool.ledger.lookup(pool.lease, pool.keys))
+    pool.evict_all()  # page 2 went on to the disk as pages 0 and 1 came through host memory, and came back
+    assert pool.disk is not None and pool.disk.counts().pages == 3 and pool.host.has(OWNER_OF_M, pool.keys[2])
+    tier = pool.ledger.tier
+    assert tier is not None
+    file_bytes = pool.disk.counts().bytes_read
+    assert [read.name for read in tier.read("m", pool.keys[2:])()] == [""]  # no file to read
+    # Into page 0, the null page no lease is given: a copy the ledger's books need not hear of.
+    assert tier.promote("m", pool.keys[2], 0) is not None and pool.copier.read(0) == pool.contents[2]
+    assert pool.disk.counts().bytes_read == file_bytes and pool.disk.counts().promotions == 2
+
+
+def test_a_prefetchs_pages_are_announced_in_the_pool_at_once(tmp_path: Path) -> None:
+    """admit_promoted (a prefetch's) ends its call's batch of events, as a lookup does: a watcher hears of
+    the pages back in the pool before anything else happens."""
+    pool = Pool(tmp_path, pages=5, host_pages=8, disk=False)
+    pool.evict_all()
+    pool.changes()
+    tier = pool.ledger.tier
+    assert tier is not None
+    assert pool.ledger.admit_promoted("m", tier.settle("m", tier.read("m", pool.keys)())) == 3
+    assert sorted(pool.changes()) == [("Stored", i, POOL) for i in range(3)]
 
 
 def test_host_pages_drained_to_the_disk_serve_a_restarted_ledger(tmp_path: Path) -> None:
