@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryDaemon"].full_name
 MAX_PAGES = 2**31 - 1  # page ids travel as uint32
+STOPPING = "the memory daemon is shutting down"
 
 
 class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
@@ -52,7 +53,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self._pools: dict[PoolShape, Pool] = {}
         self._shape_by_model: dict[str, PoolShape] = {}
         self._pool_by_lease: dict[str, Pool] = {}
-        self._events: dict[str, asyncio.Queue[memory_pb2.AttachEvent]] = {}
+        # Each lease's stream of events; None ends it, at shutdown.
+        self._events: dict[str, asyncio.Queue[memory_pb2.AttachEvent | None]] = {}
+        self._stopping = False
         self._disk = DiskTier(config.kv_disk, config.kv_disk_bytes) if config.kv_disk else None
         self._host = HostTier(config.kv_host_bytes) if config.kv_host_bytes else None
         # (pool id, model id, key) -> done when a prefetch that is reading it has installed what it read:
@@ -62,11 +65,13 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def Attach(
         self, request: memory_pb2.AttachRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[memory_pb2.AttachEvent]:
+        if self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
         pool = self._pool_for(request)
         lease = pool.ledger.open_lease(request.worker_name or context.peer(), request.model_id)
         pool.model_ids.add(request.model_id)
         self._pool_by_lease[lease.lease_id] = pool
-        events: asyncio.Queue[memory_pb2.AttachEvent] = asyncio.Queue()
+        events: asyncio.Queue[memory_pb2.AttachEvent | None] = asyncio.Queue()
         self._events[lease.lease_id] = events
         log.info("%s attached to pool %d for model %r", lease, pool.pool_id, request.model_id)
         try:
@@ -79,8 +84,9 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
                 pin_budget_pages=pool.ledger.pins.budget,
             )
             yield memory_pb2.AttachEvent(attached=attached)
-            while True:
-                yield await events.get()
+            while (event := await events.get()) is not None:
+                yield event
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
         finally:
             del self._events[lease.lease_id], self._pool_by_lease[lease.lease_id]
             freed, dropped = pool.ledger.close_lease(lease)
@@ -231,6 +237,14 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         """Each tier's counts, by medium (call on the daemon's event loop)."""
         tiers = {HOST: self._host, DISK: self._disk}
         return {medium: tier.counts() for medium, tier in tiers.items() if tier is not None}
+
+    def end_leases(self) -> None:
+        """At shutdown: end every lease's stream, and refuse new ones, with UNAVAILABLE saying why. The
+        server's stop would cancel them, which a worker reads as "Cancelling all calls" and grpc logs as
+        an error of ours, with a traceback."""
+        self._stopping = True
+        for events in self._events.values():
+            events.put_nowait(None)
 
     def close(self) -> None:
         """A graceful stop: the host tier's pages and then the pools' cached pages go to the disk tier, so

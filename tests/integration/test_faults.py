@@ -161,6 +161,26 @@ def test_a_killed_daemon_gives_clear_errors_and_the_stack_recovers(tmp_path: Pat
     assert not stack.survivors()
 
 
+def test_a_stopped_daemon_ends_each_lease_saying_why_and_the_worker_attaches_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM: the daemon ends its leases' streams itself, UNAVAILABLE with its reason, before its server
+    stops; the server's stop used to cancel them, which workers logged as "Cancelling all calls" and grpc
+    as an unhandled CancelledError of the daemon's, with a traceback."""
+    stack = start_stack(tmp_path, "--kv-memory", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            os.kill(pid_of(stack, "daemon"), signal.SIGTERM)
+            serves_again_after_reattaching(stack, stub)
+        assert "the memory daemon ended the lease: the memory daemon is shutting down" in stack.log()
+        assert "daemon exited with status 0; starting it again" in stack.log()
+        assert "Traceback" not in stack.log() and "Cancelling all calls" not in stack.log()
+    finally:
+        assert stack.stop() == 0
+    assert not stack.survivors()
+
+
 def test_a_paused_daemon_fails_the_call_waiting_on_it_and_the_worker_serves_again_once_it_moves(
     tmp_path: Path,
 ) -> None:
