@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedserve.plumbing.errors import DataLoss, OutOfRange
+from pagedserve.plumbing.errors import DataLoss, OutOfRange, StatusError
 
 HISTORY_BATCHES = 4096
 MAX_BEHIND = 4096
@@ -74,22 +74,26 @@ class Subscription:
 
     def __init__(self, events: ModelEvents, backlog: list[Batch]) -> None:
         self._events = events
-        self._queue: asyncio.Queue[Batch | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[Batch | StatusError] = asyncio.Queue()
         for batch in backlog:
             self._queue.put_nowait(batch)
 
     async def next(self) -> Batch:
         batch = await self._queue.get()
-        if batch is None:
-            raise DataLoss(f"this subscriber fell {MAX_BEHIND} batches behind; subscribe again from 0")
+        if isinstance(batch, StatusError):
+            raise batch
         return batch
 
     def offer(self, batch: Batch) -> None:
         if self._queue.qsize() >= MAX_BEHIND:  # it does not keep up: what it has is no longer worth having
-            self.close()
-            self._queue.put_nowait(None)
+            self.end(DataLoss(f"this subscriber fell {MAX_BEHIND} batches behind; subscribe again from 0"))
         else:
             self._queue.put_nowait(batch)
+
+    def end(self, why: StatusError) -> None:
+        """No more batches: `next` raises why once the subscriber has those it was given."""
+        self.close()
+        self._queue.put_nowait(why)
 
     def close(self) -> None:
         self._events.subscribers.discard(self)
@@ -133,6 +137,10 @@ class ModelEvents:
         parts = _parts((Cleared(), *self._live.values()))
         first, now = self.sequence - len(parts) + 1, self._clock()
         return [Batch(first + i, now, part) for i, part in enumerate(parts)]
+
+    def end_subscriptions(self, why: StatusError) -> None:
+        for subscription in list(self.subscribers):
+            subscription.end(why)
 
     def subscribe(self, after: int) -> Subscription:
         """The batches after `after` (the whole state, for 0), then each new one."""

@@ -38,7 +38,7 @@ async def serve(config: DaemonConfig) -> None:
     try:
         await stop.wait()
         log.info("shutting down")
-        service.end_leases()
+        service.end_streams()
         await running.stop(config.shutdown_grace_s)
     finally:
         if snapshots is not None:

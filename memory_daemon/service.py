@@ -35,7 +35,13 @@ from memory_daemon.wire import (
     tier_stats_to_pb,
 )
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
-from pagedserve.plumbing.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from pagedserve.plumbing.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from pagedserve.plumbing.settings import cuda_index
 from pagedserve.plumbing.sizes import format_bytes
 
@@ -214,6 +220,8 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def WatchPrefixIndex(
         self, request: memory_pb2.WatchPrefixIndexRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[memory_pb2.PrefixIndexBatch]:
+        if self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
         ledger = self._model_pool(request.model_id).ledger
         subscription = ledger.events_of(request.model_id).subscribe(request.after_sequence)
         try:
@@ -238,13 +246,16 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         tiers = {HOST: self._host, DISK: self._disk}
         return {medium: tier.counts() for medium, tier in tiers.items() if tier is not None}
 
-    def end_leases(self) -> None:
-        """At shutdown: end every lease's stream, and refuse new ones, with UNAVAILABLE saying why. The
-        server's stop would cancel them, which a worker reads as "Cancelling all calls" and grpc logs as
-        an error of ours, with a traceback."""
+    def end_streams(self) -> None:
+        """At shutdown: end every lease's stream and index watch, and refuse new ones, with UNAVAILABLE
+        saying why. The server's stop would cancel them, which a client reads as "Cancelling all calls" and
+        grpc logs as an error of ours, with a traceback."""
         self._stopping = True
-        for events in self._events.values():
-            events.put_nowait(None)
+        for lease_events in self._events.values():
+            lease_events.put_nowait(None)
+        for pool in self._pools.values():
+            for model_events in pool.ledger.index.events.values():
+                model_events.end_subscriptions(Unavailable(STOPPING))
 
     def close(self) -> None:
         """A graceful stop: the host tier's pages and then the pools' cached pages go to the disk tier, so

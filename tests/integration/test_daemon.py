@@ -280,3 +280,35 @@ def test_the_console_entry_point_serves_on_loopback_tcp(run_dir: Path) -> None:
         assert process.stop() == 0
         assert not list(process.shm_dir.iterdir())
         shutil.rmtree(process.shm_dir)
+
+
+def status_at_end(stream: Iterator[object]) -> tuple[grpc.StatusCode, str]:
+    """Read a stream to its end: its status and details."""
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_a_sigterm_ends_every_lease_and_index_watch_saying_why(run_dir: Path) -> None:
+    """The daemon ends its endless streams itself before its server stops; the stop used to cancel them,
+    which the other side read as "Cancelling all calls" and grpc logged as the daemon's unhandled
+    CancelledError, with a traceback."""
+    daemon = start_daemon(run_dir)
+    with internal_channel(daemon.address) as channel:
+        stub = memory_pb2_grpc.MemoryDaemonStub(channel)
+        attach = memory_pb2.AttachRequest(
+            worker_name="w", model_id="test-model", shape=shape_to_pb(SHAPE), device="cpu", num_pages=16
+        )
+        lease = stub.Attach(attach, timeout=60)
+        assert next(lease).HasField("attached")
+        watch = memory_pb2.WatchPrefixIndexRequest(model_id="test-model", after_sequence=0)
+        index = stub.WatchPrefixIndex(watch, timeout=60)
+        assert next(index).changes[0].cleared
+        assert daemon.stop() == 0
+        stopping = (grpc.StatusCode.UNAVAILABLE, "the memory daemon is shutting down")
+        assert status_at_end(lease) == stopping
+        assert status_at_end(index) == stopping
+    assert "Traceback" not in daemon.log()
