@@ -17,6 +17,7 @@ drops the idle pages of every serving worker's.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -37,6 +38,9 @@ _TIERS = {
 }
 
 
+STOPPING = "the frontend is shutting down; subscribe again once it is back, or to another"
+
+
 def block_hash(key: bytes) -> int:
     return int.from_bytes(key[:8], "little", signed=True)
 
@@ -51,6 +55,8 @@ class NodeCache:
         self.address = address
         self._metadata = secret_metadata(secret)
         self._worker_infos = worker_infos
+        self._watches: set[grpc.aio.UnaryStreamCall] = set()  # the daemon's streams `events` relays
+        self._stopping = False
 
     async def flush(self) -> int:
         """Drop the model's cached pages that no request uses, at every precision its workers run; returns
@@ -69,15 +75,34 @@ class NodeCache:
 
     async def events(self, after: int) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The batches after sequence number `after` (0: the whole state first), then each new one."""
+        if self._stopping:
+            raise Unavailable(STOPPING)
         first = self._serving()[0]
         async with self._channel() as channel:
             stub = memory_pb2_grpc.MemoryDaemonStub(channel)
             request = memory_pb2.WatchPrefixIndexRequest(model_id=first.kv_namespace, after_sequence=after)
+            watch = stub.WatchPrefixIndex(request, metadata=self._metadata)
+            self._watches.add(watch)
             try:
-                async for batch in stub.WatchPrefixIndex(request, metadata=self._metadata):
+                async for batch in watch:
                     yield self._to_smg(batch, first.page_size)
             except grpc.aio.AioRpcError as exc:
                 raise self._unavailable(exc) from None
+            except asyncio.CancelledError:
+                if not self._stopping:
+                    raise
+                # end_watches cancelled the watch: a CancelledError out of a handler ends no call, and
+                # grpc would hold it open until the server's stop had waited out its grace.
+                raise Unavailable(STOPPING) from None
+            finally:
+                self._watches.discard(watch)
+
+    def end_watches(self) -> None:
+        """At shutdown: end every `events` stream with UNAVAILABLE saying why, and refuse new ones: they
+        never end on their own, so the server's stop waited out its grace on them, then cancelled them."""
+        self._stopping = True
+        for watch in list(self._watches):
+            watch.cancel()
 
     def _serving(self) -> Sequence[worker_pb2.WorkerInfo]:
         """The serving workers' reports: each names the namespace its pages are cached under."""

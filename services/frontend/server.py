@@ -100,8 +100,10 @@ async def _serve(config: FrontendConfig, inner: str) -> None:
 
     public = await _start_public_port(config, service, _vllm_service(config, pipeline, facts), guard)
     servers: list[tuple[RunningServer, tuple[str, ...]]] = [(public, _PUBLIC)]
+    gateway = None
     if config.gateway_address:
-        servers.append((await _start_gateway_listener(config, pipeline, facts), (VLLM_SERVICE_NAME,)))
+        gateway = _vllm_service(config, pipeline, facts, gateway=True)
+        servers.append((await _start_gateway_listener(config, gateway), (VLLM_SERVICE_NAME,)))
 
     async def track_health() -> None:
         """Generation (and SMG's protocol) is SERVING while at least one worker is up, and
@@ -126,6 +128,8 @@ async def _serve(config: FrontendConfig, inner: str) -> None:
         await stop.wait()
         log.info("shutting down: draining requests for up to %.0fs", config.shutdown_grace_s)
         guard.stop()  # no new connections; those open drain through it
+        if gateway is not None:
+            gateway.end_event_streams()
         await asyncio.gather(*(running.stop(config.shutdown_grace_s) for running, _ in servers))
     finally:
         health_task.cancel()
@@ -204,13 +208,10 @@ def _vllm_service(
     return VllmEngineService(pipeline, facts, node_cache, config.drain_timeout_s, gateway=gateway)
 
 
-async def _start_gateway_listener(
-    config: FrontendConfig, pipeline: RequestPipeline, facts: ModelFacts
-) -> RunningServer:
+async def _start_gateway_listener(config: FrontendConfig, service: VllmEngineService) -> RunningServer:
     """SMG's protocol whole, control surface included, on --gateway-address: no token, no TLS (SMG sends
     neither to its workers), and no caller from this machine but this user's and root's processes."""
     assert config.gateway_address is not None
-    service = _vllm_service(config, pipeline, facts, gateway=True)
     port = int(config.gateway_address.rsplit(":", 1)[1])
     guard = LocalUsersOnly(port, f"the gateway listener {config.gateway_address}")
     if not _is_loopback(config.gateway_address):

@@ -165,6 +165,11 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> common_pb2.ProfileResponse:
         raise Unimplemented("pagedserve has no profiler to stop")
 
+    def end_event_streams(self) -> None:
+        """At shutdown: end SubscribeKvEvents' streams, which never end on their own."""
+        if self._node_cache is not None:
+            self._node_cache.end_watches()
+
     def _check_gateway(self, rpc: str) -> None:
         if not self._gateway:
             raise PermissionDenied(

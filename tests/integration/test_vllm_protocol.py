@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import signal
 import threading
 import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +22,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from tests.clients import pool_counts, wait_for_every_page
 from tests.integration.streams import wait_for_idle_worker
-from tests.procs import Stack, free_port, module_stack
+from tests.procs import Stack, free_port, module_stack, start_stack
 from tests.waiting import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # several full pages
@@ -275,3 +277,23 @@ def test_kv_events_follow_the_daemons_index_and_flush_empties_it(stack: Stack, g
     with pytest.raises(grpc.RpcError) as refused:
         next(vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=5)))
     assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_a_stopping_frontend_ends_the_gateways_event_stream_saying_why(tmp_path: Path) -> None:
+    """SubscribeKvEvents never ends on its own: the frontend's stop waited its whole grace (10 s) on SMG's
+    stream, then cancelled it ("Cancelling all calls"); now it ends it first, UNAVAILABLE with the reason."""
+    stack = start_stack(tmp_path, "--gateway-address", f"127.0.0.1:{free_port()}", "--kv-memory", "64MiB")
+    try:
+        with grpc.insecure_channel(stack.gateway_address) as channel:
+            events = vllm_engine_pb2_grpc.VllmEngineStub(channel).SubscribeKvEvents(
+                common_pb2.SubscribeKvEventsRequest(), timeout=60
+            )
+            assert next(events).events[0].WhichOneof("data") == "cleared"
+            stack.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as ended:
+                list(events)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ended.value.details().startswith("the frontend is shutting down")
+    finally:
+        assert stack.stop() == 0
+    assert "Traceback" not in stack.log()
