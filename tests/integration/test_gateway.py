@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
@@ -34,6 +35,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # Long shared prefixes: a system prompt of many full pages, different for each routing test.
 PREFIX_B = "You are a careful assistant for a library. " * 40
 PREFIX_A = "You answer questions about the weather in short sentences. " * 30
+BYSTANDER_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +90,18 @@ def test_chat_streamed_or_not_is_pagedserves_own_answer(stacks: list[Stack], gat
         messages=QUESTION,
         max_tokens=24,
         temperature=0,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
-    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert next(c for c in chunks if c.choices and c.choices[0].finish_reason).choices[0].finish_reason == (
+        whole.choices[0].finish_reason
+    )
+    # A stream's usage too: SMG takes the prompt's count from the stream's last message.
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == len(expected.token_ids)
+    assert usage.prompt_tokens == expected.usage.prompt_tokens
 
 
 def test_completions_stop_at_a_stop_string(stacks: list[Stack], gateway: Gateway) -> None:
@@ -121,6 +130,17 @@ def test_n_samples_and_logprobs(stacks: list[Stack], gateway: Gateway) -> None:
     assert all(choice.message.content for choice in several.choices)
     # Three draws, not one answer three times (seeded, so the same on every run).
     assert len({choice.message.content for choice in several.choices}) > 1, several.choices
+    # The seed reaches the worker: a seeded draw is pagedserve's own draw with that seed.
+    sampling = pb.SamplingParams(max_tokens=16, temperature=1.0, seed=5)
+    expected = own(stacks[0], pb.GenerateRequest(messages=messages(QUESTION), sampling=sampling))
+    seeded = gateway.client.chat.completions.create(
+        model=gateway.model,
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=1.0,
+        seed=5,  # type: ignore[arg-type]
+    )
+    assert seeded.choices[0].message.content == expected.text
     streamed = gateway.client.chat.completions.create(
         model=gateway.model,
         messages=QUESTION,
@@ -167,9 +187,28 @@ def test_structured_outputs_through_the_gateway(gateway: Gateway) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
+def bystander(channel: grpc.Channel, request_id: str) -> Iterator[vllm_engine_pb2.GenerateResponse]:
+    """A stream of BYSTANDER_TOKENS tokens on a stack's gateway listener, as another gateway's request; its
+    first chunk is read, so it is running."""
+    sampling = vllm_engine_pb2.SamplingParams(max_tokens=BYSTANDER_TOKENS, ignore_eos=True, temperature=0)
+    request = vllm_engine_pb2.GenerateRequest(
+        request_id=request_id,
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[32, 9485, 1743, 42]),
+        sampling_params=sampling,
+        stream=True,
+    )
+    call = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request)
+    assert next(call).chunk.token_ids
+    return call
+
+
 def test_a_client_that_goes_away_mid_stream_gets_its_pages_freed(
     stacks: list[Stack], gateway: Gateway
 ) -> None:
+    # A request runs beside it on each stack: the gateway's Abort ends the one that went away, by its id, and
+    # no other (on its stack the bystander shares its batch, so it is far from done when the abort comes).
+    channels = [grpc.insecure_channel(stack.gateway_address) for stack in stacks]
+    others = [bystander(channel, f"bystander-{i}") for i, channel in enumerate(channels)]
     stream = gateway.client.completions.create(
         model=gateway.model,
         prompt="Tell me a very long story.",
@@ -180,6 +219,11 @@ def test_a_client_that_goes_away_mid_stream_gets_its_pages_freed(
     for _, _ in zip(range(3), stream, strict=False):
         pass
     stream.close()
+    for call in others:
+        ends = [message.complete for message in call if message.HasField("complete")]
+        assert [(end.finish_reason, end.completion_tokens) for end in ends] == [("length", BYSTANDER_TOKENS)]
+    for channel in channels:
+        channel.close()
     for stack in stacks:
         wait_for_idle_worker(stack, timeout_s=15)
         wait_for_every_page(stack.daemon_address)
