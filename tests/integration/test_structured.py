@@ -224,6 +224,8 @@ BAD_CONSTRAINTS = [
     (pb.StructuredOutput(json_schema="{x"), "sampling.structured.json_schema is not JSON"),
     (pb.StructuredOutput(json_schema='{"type": "nope"}'), "sampling.structured.json_schema does not compile"),
     (pb.StructuredOutput(regex="("), "sampling.structured.regex does not compile"),
+    (pb.StructuredOutput(regex="a" * 65537), "sampling.structured.regex is 65537 bytes; at most 65536"),
+    (pb.StructuredOutput(regex=""), "sampling.structured.regex is empty"),
     (  # xgrammar says nothing of an infinite bound: the message still names a cause
         pb.StructuredOutput(json_schema='{"type": "integer", "minimum": -1e400}'),
         "does not compile: xgrammar gave no reason; a number too large for a float64",
