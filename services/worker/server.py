@@ -360,6 +360,7 @@ async def serve_loaded(
         log.info("worker %r serving on %s", config.name, running.address)
         await stop.wait()
         log.info("shutting down")
+        await service.drain()
         await running.stop(grace_s=5.0)
     finally:
         for task in (heartbeat, reattach):

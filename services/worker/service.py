@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from pagedserve.plumbing.errors import InvalidArgument, StatusError
+from pagedserve.plumbing.errors import InvalidArgument, StatusError, Unavailable
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.wire import HEARTBEAT_S, error_fields, request_from_pb
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _Reason = generation_pb2.GenerateResponse.FinishReason
+DRAINING = "the worker is shutting down"
 _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -48,6 +49,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._loop = loop
         self._stall_timeout_s = stall_timeout_s
         self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
+        self._draining = False
         self._serving = True
         self._streams: dict[int, asyncio.Queue[worker_pb2.StepOutputs | None]] = {}
         self._stream_ids = itertools.count(1)
@@ -65,7 +67,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         yield worker_pb2.StepOutputs(load=self._load())  # whether it accepts requests, before it is sent any
         reading = True
         try:
-            while reading or live:
+            while (reading and not self._draining) or live:
                 message = await queue.get()
                 if message is None:  # the frontend closed its side; finish what it started
                     reader.result()
@@ -75,6 +77,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     if output.finish_reason:
                         live.discard(output.request_id)
                 yield message
+            if self._draining:  # else the server's stop waited out its grace on the stream, then cancelled it
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         finally:
             reader.cancel()
             del self._streams[stream]
@@ -93,9 +97,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self._info
 
     def unavailable(self) -> str:
-        """Why this worker refuses new requests (its KV pool is out of reach, its engine is stuck); empty
-        when it accepts them."""
+        """Why this worker refuses new requests (it is shutting down, its KV pool is out of reach, its engine
+        is stuck); empty when it accepts them."""
+        if self._draining:
+            return DRAINING
         return self._engine.suspended or self._engine.stalled(self._stall_timeout_s) or ""
+
+    async def drain(self) -> None:
+        """At shutdown: refuse new requests, telling every frontend stream at once, and end each stream
+        once its running requests have finished."""
+        self._draining = True
+        await self.refresh()  # wakes each stream, which then ends if nothing runs on it
 
     async def refresh(self) -> None:
         """Tell health and every frontend stream whether this worker accepts requests, at once."""
@@ -154,6 +166,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 f"request id {submit.request_id!r} is already running on this stream; ids must be unique"
             )
         try:
+            if self._draining:
+                raise Unavailable(DRAINING)
             request = request_from_pb(submit)
             if request.cache_ttl_seconds:
                 await asyncio.to_thread(self._engine.check_pins, request)

@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.plumbing.rpc import wait_for_health
+from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.client import generate_request
@@ -48,6 +49,11 @@ def worker_idle(stack: Stack) -> bool:
     with internal_channel(stack.worker_address()) as channel:
         load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     return load.running == 0 and load.kv_pages_in_use == 0
+
+
+def worker_load(stack: Stack, index: int) -> worker_pb2.Load:
+    with internal_channel(stack.worker_address(index)) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def every_page_back(stack: Stack) -> Callable[[], bool]:
@@ -245,6 +251,34 @@ def test_a_step_waiting_on_a_paused_daemon_for_pages_leaves_the_worker_answering
                     list(call)
                 assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
             serves_again_after_reattaching(stack, stub)
+    finally:
+        assert stack.stop() == 0
+    assert not stack.survivors()
+
+
+def test_a_stopping_worker_finishes_its_requests_and_takes_no_new_one(tmp_path: Path) -> None:
+    """SIGTERM: the worker tells its frontend at once that it is shutting down, so that new requests go to
+    the other worker, finishes the request it runs, then ends the stream saying why. It used to take
+    requests through its 5 s of grace (and stop them at its end), and held its idle streams for all of it."""
+    stack = start_stack(tmp_path, "--workers", "2", "--kv-memory", "256MiB")
+    try:
+        with grpc.insecure_channel(stack.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            running = stub.Generate(generate_request(**PROMPT, max_tokens=48, ignore_eos=True, temperature=0))
+            first = next(running)
+            busy = next(i for i in (0, 1) if worker_load(stack, i).running == 1)
+            os.kill(pid_of(stack, f"worker-{busy}"), signal.SIGTERM)
+            address = stack.worker_address(busy)
+            news = f"worker {address}: the worker is shutting down"
+            wait_until(lambda: news in stack.log(), 30, "the frontend told the worker is stopping")
+            for _ in range(3):  # while the stopping worker finishes its request
+                assert stub.Complete(generate_request(**PROMPT, max_tokens=2)).usage.completion_tokens == 2
+            rest = list(running)
+            assert rest[-1].finish_reason == pb.GenerateResponse.LENGTH
+            assert sum(len(response.token_ids) for response in [first, *rest]) == 48
+        ended = f"worker {address} went away: UNAVAILABLE: the worker is shutting down"
+        wait_until(lambda: ended in stack.log(), 30, "the stream's end, saying why")
+        assert "moving a request to" not in stack.log()  # the stopping worker finished it itself
     finally:
         assert stack.stop() == 0
     assert not stack.survivors()

@@ -306,7 +306,7 @@ def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
     assert last.finish_reason == pb.GenerateResponse.LENGTH and last.usage.completion_tokens == 24
     assert not stack.survivors()
     lines = stack.log().splitlines()
-    order = [i for i, line in enumerate(lines) if "shutting down" in line]
+    order = [i for i, line in enumerate(lines) if "server: shutting down" in line]
     assert "stopping: the frontend drains first" in stack.log()
     assert [lines[i].split("|")[0].strip() for i in order] == ["frontend", "worker-0", "daemon"]
 
