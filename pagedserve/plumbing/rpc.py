@@ -8,6 +8,7 @@ so a half-open connection must not linger.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.plumbing.errors import PermissionDenied
 from pagedserve.plumbing.private import check_unix_peer
@@ -68,10 +68,65 @@ def run_process(
     return 0
 
 
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 as grpc_health's servicer serves it, but for Watch streams, which end at a graceful
+    shutdown: NOT_SERVING, then UNAVAILABLE saying why. grpc_health's never end, so that a client watching
+    (gRPC's client-side health checking) held the server's stop for its whole grace, then saw "Cancelling
+    all calls"."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, health_pb2.HealthCheckResponse.ServingStatus] = {"": _SERVING}
+        self._changed = asyncio.Condition()
+        self._stopping = False
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {request.service!r} here")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        last = None
+        while True:
+            async with self._changed:  # written outside it: a slow reader holds up no one else
+                await self._changed.wait_for(functools.partial(self._news, request.service, last))
+                status, stopping = self._status_of(request.service), self._stopping
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if stopping:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+
+    def _status_of(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus:
+        return self._status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+
+    def _news(self, service: str, last: health_pb2.HealthCheckResponse.ServingStatus | None) -> bool:
+        return self._status_of(service) != last or self._stopping
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        """Set a service's status; ignored once the server is shutting down."""
+        async with self._changed:
+            if not self._stopping:
+                self._status[service] = status
+                self._changed.notify_all()
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING for good, and every Watch ended."""
+        async with self._changed:
+            self._stopping = True
+            self._status = dict.fromkeys(self._status, _NOT_SERVING)
+            self._changed.notify_all()
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
-    health: health_aio.HealthServicer
+    health: HealthServicer
     address: str  # the bound address: a TCP port of 0 is replaced by the port the kernel chose
 
     async def stop(self, grace_s: float) -> None:
@@ -98,7 +153,7 @@ async def start_server(
     chosen = dict(SERVER_OPTIONS) | dict(options)
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=list(chosen.items()))
     register(server)
-    health = health_aio.HealthServicer()
+    health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in service_names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -20,9 +20,9 @@ from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import aio as health_aio
 
 from pagedserve.plumbing.errors import InvalidArgument, StatusError, Unavailable
+from pagedserve.plumbing.rpc import HealthServicer
 from pagedserve.v1 import generation_pb2
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.wire import HEARTBEAT_S, error_fields, request_from_pb
@@ -48,7 +48,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._info = info
         self._loop = loop
         self._stall_timeout_s = stall_timeout_s
-        self.health: health_aio.HealthServicer | None = None  # the server's, once it runs
+        self.health: HealthServicer | None = None  # the server's, once it runs
         self._draining = False
         self._serving = True
         self._streams: dict[int, asyncio.Queue[worker_pb2.StepOutputs | None]] = {}

@@ -293,13 +293,24 @@ def test_under_no_restart_a_dead_child_is_named_and_the_rest_are_stopped(tmp_pat
 
 
 def test_sigterm_drains_and_leaves_no_process(tmp_path: Path) -> None:
+    """The request in flight finishes; a client watching the frontend's health (gRPC's client-side health
+    checking) is told NOT_SERVING, then its watch ends saying why: it used to hold the stop for all of its
+    10 s of grace, then see "Cancelling all calls"."""
     stack = start_stack(tmp_path, "--kv-memory", "128MiB")
     with grpc.insecure_channel(stack.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         call = stub.Generate(generate_request("Hi", max_tokens=24, ignore_eos=True))
         responses = [next(call)]  # in flight when the stack is told to stop
         stopping = concurrent.futures.ThreadPoolExecutor(1).submit(stack.stop)
         responses += list(call)
+        with pytest.raises(grpc.RpcError) as ended:
+            assert {reply.status for reply in watch} == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert (ended.value.code(), ended.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "the server is shutting down",
+        )
         assert stopping.result(timeout=60) == 0
     # The request in flight was allowed to finish.
     last = responses[-1]
