@@ -20,6 +20,7 @@ import pytest
 from memory_daemon.stats import PoolCounts
 from memory_daemon.wire import counts_from_pb
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.plumbing.pin_limits import MAX_TTL_S
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 from services.client import generate_request
@@ -110,7 +111,8 @@ def test_pins_hold_against_other_tenants_outlive_a_worker_and_end_on_time(stack:
         assert "less the 16 that pins may hold" in tenants.refusal(prompt("big", 20))
 
         alice = prompt("alice", 5)  # about 90 tokens
-        first = tenants.complete(alice, "alice", ttl=600)
+        # The longest pin there is: it reaches the daemon as asked (a longer one would be refused there).
+        first = tenants.complete(alice, "alice", ttl=MAX_TTL_S)
         # Its prompt's and its output's full pages: all but the last token's KV is in the pool.
         pinned = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // PAGE
         assert pins_landed(stack, ALICE) == {ALICE: pinned} and pinned <= 6

@@ -86,13 +86,14 @@ def test_greedy_samples_are_all_the_one_greedy_output(stack: Stack, stub: Stub) 
     wait_until(lambda: counted() == 36, 10, lambda: f"36 tokens counted, not {counted()}")
 
 
-def test_seeded_sample_i_is_the_run_of_seed_plus_i(stack: Stack, stub: Stub) -> None:
+@pytest.mark.parametrize("seed", [7, 2**63 - 2])  # near the top of int64, seed + i wraps round to the bottom
+def test_seeded_sample_i_is_the_run_of_seed_plus_i(stack: Stack, stub: Stub, seed: int) -> None:
     request: dict[str, Any] = {"prompt": STORY, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0}
-    samples = samples_of(stub, 4, seed=7, **request)
+    samples = samples_of(stub, 4, seed=seed, **request)
     outputs = [joined(samples[i])[1] for i in range(4)]
     assert len({tuple(output) for output in outputs}) > 1, "the samples did not get seeds of their own"
     for i, output in enumerate(outputs):
-        alone = stub.Complete(generate_request(seed=7 + i, **request))
+        alone = stub.Complete(generate_request(seed=(seed + i + 2**63) % 2**64 - 2**63, **request))
         assert output == list(alone.token_ids), i
     pages_all_back(stack)
 
@@ -174,6 +175,18 @@ def test_min_tokens_looks_for_stop_strings_only_after_it(stub: Stub) -> None:
     assert held[-1].finish_reason == Reason.LENGTH or not held_text.endswith(".")
 
 
+def test_a_stop_string_in_the_min_tokens_th_token_counts(stub: Stub) -> None:
+    """min_tokens counts the token that brings the output to it: a stop string that the free run completes in
+    its last token stops a run whose min_tokens is that many tokens, at the same place."""
+    free = stream(stub, generate_request(messages=SKY, max_tokens=30, stop=["."], **GREEDY))
+    text, ids = joined(free)
+    assert free[-1].matched_stop_str == "." and 1 < len(ids) < 12
+    request = generate_request(messages=SKY, max_tokens=30, stop=["."], min_tokens=len(ids), **GREEDY)
+    exact = stream(stub, request)
+    assert joined(exact) == (text, ids)
+    assert exact[-1].finish_reason == Reason.STOP and exact[-1].matched_stop_str == "."
+
+
 def test_min_tokens_holds_back_stop_token_ids(stub: Stub) -> None:
     (dot,) = tokenize(stub, ".")
     free = stub.Complete(generate_request(messages=SKY, max_tokens=30, stop_token_ids=[dot], **GREEDY))
@@ -236,6 +249,18 @@ def test_prompt_logprobs_are_computed_not_taken_from_the_prefix_cache(stub: Stub
     # The prompt's pages were in the cache all along: a request without prompt_logprobs finds them.
     plain = stub.Complete(generate_request(prompt=prompt, max_tokens=2, **GREEDY))
     assert plain.usage.cached_prompt_tokens == (size - 1) // PAGE * PAGE > 0
+
+
+def test_a_prompts_logprobs_come_once_with_its_first_sample(stub: Stub) -> None:
+    """n samples share one prompt: its log-probabilities come once, on sample 0's first message, and the
+    later samples, which do not score it, find its pages in the prefix cache."""
+    prompt = f"[{uuid.uuid4().hex}] " + PARIS
+    samples = samples_of(stub, 3, prompt=prompt, max_tokens=2, prompt_logprobs=2, **GREEDY)
+    size = samples[0][-1].usage.prompt_tokens
+    assert [entry.token_id for entry in prompt_logprobs_of(samples[0])] == tokenize(stub, prompt)[1:]
+    assert not any(r.prompt_logprobs for index in (1, 2) for r in samples[index])
+    cached = [samples[index][-1].usage.cached_prompt_tokens for index in range(3)]
+    assert cached == [0] + [(size - 1) // PAGE * PAGE] * 2
 
 
 def test_prompt_logprobs_zero_scores_the_prompt_without_top(stub: Stub) -> None:

@@ -150,11 +150,13 @@ def test_grammars_and_penalties_see_each_drafted_position(
 def test_a_stop_string_inside_a_drafted_run_ends_text_and_tokens_where_speculation_off_does(
     stack: Stack, stub: Stub
 ) -> None:
-    stop = {"temperature": 0.0, "max_tokens": 80, "stop": ["ships that"]}
+    stop = {"temperature": 0.0, "max_tokens": 80, "stop": ["ships that"], "logprobs": 1}
     off, _ = run(stack, stub, speculative=False, **stop)
     on, (_, drafts, _, accepted) = run(stack, stub, **stop)
     text, tokens = joined(on)
     assert (text, tokens) == joined(off)
+    # The log-probabilities end with the tokens: none for the drafted tokens after the stop string.
+    assert [lp.token_id for r in on for lp in r.logprobs] == tokens
     assert text.endswith("the ") and "ships" not in text and PASSAGE.startswith(text.strip()[:40])
     assert on[-1].finish_reason == Reason.STOP and on[-1].matched_stop_str == "ships that"
     assert on[-1].usage.completion_tokens == off[-1].usage.completion_tokens == len(tokens)

@@ -103,6 +103,19 @@ def test_pages_pinned_already_cost_their_tenant_nothing_and_the_pool_nothing(led
         ledger.check_pins("carol", 1, 1, "m", KEYS[:2])
 
 
+def test_a_shorter_pin_by_the_same_tenant_keeps_the_longer_ttl(ledger: PageLedger, now: list[float]) -> None:
+    """A tenant's pin is renewed, not cut, by a pin of its own with a shorter TTL: the longer one holds."""
+    worker = ledger.open_lease("w", "m")
+    cache(ledger, worker, 1, pin=PinRequest(KEYS[:1], 60, "alice"))
+    now[0] += 1
+    ledger.update(worker, pin=[PinRequest(KEYS[:1], 10, "alice")])  # renews her pin to +61 s, not +11 s
+    now[0] += 30
+    assert [(t.tenant, t.pinned_pages) for t in ledger.counts().tenants] == [("alice", 1)]
+    now[0] += 30.1
+    assert ledger.counts().pinned_pages == 0
+    ledger.check_invariants()
+
+
 def test_a_referenced_page_whose_pin_ends_stays_in_use(ledger: PageLedger, now: list[float]) -> None:
     worker = ledger.open_lease("w", "m")
     cache(ledger, worker, 1, pin=PinRequest(KEYS[:1], 5, "alice"))
@@ -123,10 +136,12 @@ def test_budgets_bound_each_tenant_and_the_pool(ledger: PageLedger) -> None:
     with pytest.raises(ResourceExhausted, match=r"tenant 'alice' has pinned 4 of the 4 .*--tenant-pin-share"):
         ledger.check_pins("alice", 1, pool_id=3)
     ledger.check_pins("bob", 4, pool_id=3)
+    assert (ledger.pins.room("alice"), ledger.pins.room("bob")) == (0, 4)  # what CheckPins answers
     ledger.update(worker, pin=[PinRequest(KEYS[2:6], 60, "bob")])  # two of alice's pages, two new
     ledger.update(worker, pin=[PinRequest(KEYS[6:8], 60, "carol")])  # pages that are not cached: nothing
     counts = ledger.counts()
     assert counts.pinned_pages == 6
+    assert ledger.pins.room("carol") == 2  # her own budget has 4, the pool's 2
     assert [(t.tenant, t.pinned_pages) for t in counts.tenants] == [("alice", 4), ("bob", 4)]
     more = ledger.grant(worker, 2)
     assert more is not None

@@ -219,6 +219,29 @@ def test_top_p_applies_to_what_min_p_and_top_k_left_renormalized(
     assert set(sample(logits, seqs).token_ids) == allowed
 
 
+def test_min_p_compares_with_the_best_token_after_temperature() -> None:
+    """At temperature 2, [.6, .3, .1] flattens to [.47, .33, .19]: with min_p 0.35 token 2 stays (.19 is over
+    .35 * .47), though it falls below .35 times the raw best (.21)."""
+    row = log_probs_of([0.6, 0.3, 0.1])
+    assert reference_allowed(row.tolist(), 2.0, 0, 1.0, 0.35) == {0, 1, 2}
+    assert reference_allowed(row.tolist(), 1.0, 0, 1.0, 0.35) == {0, 1}
+    options = SamplingOptions(temperature=2.0, min_p=0.35)
+    assert set(torch.nonzero(filtered_probs(row[None, :], [options])[0]).flatten().tolist()) == {0, 1, 2}
+    torch.manual_seed(22)
+    logits, seqs = copies(row, options, 2000)
+    assert set(sample(logits, seqs).token_ids) == {0, 1, 2}
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, 2), (0.75, 3), (0.25, 1)])
+def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly(top_p: float, kept: int) -> None:
+    """Four equal tokens (probabilities of exactly 0.25): the smallest prefix whose mass reaches top_p, and
+    not one token more, as in vLLM (its mask drops tokens while the mass below them is at most 1 - top_p)."""
+    row = torch.zeros(4)
+    assert len(reference_allowed(row.tolist(), 1.0, 0, top_p, 0.0)) == kept
+    probs = filtered_probs(row[None, :], [SamplingOptions(top_p=top_p)])[0]
+    assert int(torch.count_nonzero(probs)) == kept
+
+
 def test_filters_on_one_row_do_not_touch_the_others() -> None:
     torch.manual_seed(21)
     logits = torch.randn(3, 40)

@@ -285,6 +285,24 @@ def test_a_draft_never_runs_past_max_tokens(model: CausalLM) -> None:
     assert all(len(tokens) == 7 for tokens, _, _ in reference.values())
 
 
+def test_a_draft_never_runs_past_the_context(tmp_path: Path) -> None:
+    """A model that serves 48 positions, a 40-token prompt and drafts of up to 16: the output ends at the
+    context's end as speculation-off's does, and the one draft, after the first token, holds all the rest
+    but the last (which its step gives)."""
+    folder = make_model("llama", tmp_path / "short")
+    cpu = torch.device("cpu")
+    short = load_model(folder, dtype=torch.float32, device=cpu, backend=TorchBackend(), max_model_len=48)
+    options = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = summary(generate(make_engine(short), options, [PROMPTS[2]]))
+    tokens, _, reason = reference[0]
+    assert (len(tokens), reason) == (48 - len(PROMPTS[2]), "FinishReason.LENGTH")
+    engine = make_engine(short, speculative="ngram")
+    oracle = with_oracle(engine, reference, [PROMPTS[2]])
+    oracle.num_tokens, oracle.spoils = 16, False
+    assert_same(summary(generate(engine, options, [PROMPTS[2]])), reference)
+    assert oracle.drafted == [tuple(tokens[1:-1])]
+
+
 def test_rejected_tokens_give_their_pages_back_at_once(model: CausalLM) -> None:
     """Pages of 4 tokens: a prompt of 5 decodes its first token, then drafts 12 tokens, all wrong; the step
     holds pages for 5 + 1 + 12 positions (5 pages) and keeps what 7 tokens need (2)."""
@@ -570,6 +588,59 @@ def test_a_draft_model_drafts_only_while_it_pays(model: CausalLM, pass_cost: flo
         assert (
             0 < checked <= 2 + steps // PROBE_EVERY and draft.payoff.rates[True] < draft.payoff.rates[False]
         )
+
+
+def spy_on_drafts(engine: EngineCore) -> list[tuple[int, ...]]:
+    """The drafts the engine's draft model proposes from now on."""
+    draft = engine.draft
+    assert draft is not None
+    propose = draft._draft
+    proposed: list[tuple[int, ...]] = []
+
+    def spied(requests: list[tuple[Sequence, int]]) -> list[tuple[int, ...]]:
+        proposed.extend(propose(requests))
+        return proposed[-len(requests) :]
+
+    draft._draft = spied  # type: ignore[method-assign]
+    return proposed
+
+
+def test_a_draft_model_never_proposes_its_padding(model: CausalLM, tmp_path: Path) -> None:
+    """A draft model whose vocabulary is padded past the target's (1024 ids to 512): its random logits there
+    are often its largest, yet it proposes only the target's ids, and the output is speculation-off's."""
+    folder = make_model("llama", tmp_path / "padded", seed=5, vocab_size=2 * VOCAB)
+    padded = load_model(folder, dtype=torch.float32, device=torch.device("cpu"), backend=TorchBackend())
+    reference = summary(generate(make_engine(model), KINDS["greedy"]))
+    engine = make_engine(model, draft=padded)
+    proposed = spy_on_drafts(engine)
+    assert_same(summary(generate(engine, KINDS["greedy"])), reference)
+    tokens = [token for draft in proposed for token in draft]
+    assert len(tokens) > 10 and max(tokens) < VOCAB
+
+
+def test_a_draft_model_of_a_shorter_context_drafts_only_within_it(model: CausalLM, tmp_path: Path) -> None:
+    """The target's own weights with a context of 48 positions for drafting, the target's 512: a 40-token
+    prompt's drafts stop where the draft model would write past position 47 (a draft's last token is not
+    run through it), and the output is speculation-off's, every draft kept."""
+    folder = make_model("llama", tmp_path / "short")  # the `model` fixture's weights
+    cpu = torch.device("cpu")
+    short = load_model(folder, dtype=torch.float32, device=cpu, backend=TorchBackend(), max_model_len=48)
+    reference = summary(generate(make_engine(model), KINDS["greedy"], [PROMPTS[2]]))
+    engine = make_engine(model, draft=short)
+    draft = engine.draft
+    assert draft is not None
+    run = draft._run
+    written: list[int] = []  # each pass's last position
+
+    def counted(items: list[ScheduledSeq]) -> list:
+        written.extend(item.start + item.count - 1 for item in items)
+        return run(items)
+
+    draft._run = counted  # type: ignore[method-assign]
+    assert_same(summary(generate(engine, KINDS["greedy"], [PROMPTS[2]])), reference)
+    scheduler = engine.scheduler
+    assert scheduler.drafts_checked > 1 and scheduler.accepted_tokens == scheduler.draft_tokens
+    assert max(written) == 47  # up to the end of its context, and no further
 
 
 def test_a_draft_model_needs_speculative_draft(model: CausalLM) -> None:
