@@ -71,8 +71,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def Attach(
         self, request: memory_pb2.AttachRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[memory_pb2.AttachEvent]:
-        if self._stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+        await self._refuse_if_stopping(context)
         pool = self._pool_for(request)
         lease = pool.ledger.open_lease(request.worker_name or context.peer(), request.model_id)
         pool.model_ids.add(request.model_id)
@@ -220,8 +219,7 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
     async def WatchPrefixIndex(
         self, request: memory_pb2.WatchPrefixIndexRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[memory_pb2.PrefixIndexBatch]:
-        if self._stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+        await self._refuse_if_stopping(context)
         ledger = self._model_pool(request.model_id).ledger
         subscription = ledger.events_of(request.model_id).subscribe(request.after_sequence)
         try:
@@ -277,6 +275,11 @@ class MemoryDaemonService(memory_pb2_grpc.MemoryDaemonServicer):
         self._pools.clear()
 
     # Internals -------------------------------------------------------------------------------------
+
+    async def _refuse_if_stopping(self, context: grpc.aio.ServicerContext) -> None:
+        """A stream opened after `end_streams` would hold the server's stop for its grace."""
+        if self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
 
     def _find(self, lease_id: str) -> tuple[Pool, WorkerLease]:
         pool = self._pool_by_lease.get(lease_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 _UNITS = {
@@ -31,3 +32,8 @@ def format_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def physical_memory_bytes() -> int:
+    """This machine's memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pagedserve.plumbing.errors import InvalidArgument
 from pagedserve.plumbing.logs import setup_logging
 from pagedserve.plumbing.private import restrict_socket
 from pagedserve.plumbing.rpc import run_process, start_server, stop_signal
-from pagedserve.plumbing.sizes import format_bytes
+from pagedserve.plumbing.sizes import format_bytes, physical_memory_bytes
 from pagedserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.default_model import model_identity, resolve_model
 from services.worker.config import WorkerConfig
@@ -192,7 +191,7 @@ def _pool(
     """A KV pool of this shape, and how to lease it anew: the daemon's, or (without one) in-process."""
     if config.daemon_address is None:
         num_pages = memory_bytes // shape.page_bytes
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+        physical = physical_memory_bytes()
         if num_pages < 2 or (config.device == "cpu" and memory_bytes > physical):
             raise InvalidArgument(
                 f"--kv-memory {format_bytes(memory_bytes)} makes {num_pages} pages of "

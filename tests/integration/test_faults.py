@@ -45,15 +45,14 @@ def pid_of(stack: Stack, name: str) -> int:
     return int(line.split()[0])
 
 
-def worker_idle(stack: Stack) -> bool:
-    with internal_channel(stack.worker_address()) as channel:
-        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-    return load.running == 0 and load.kv_pages_in_use == 0
-
-
-def worker_load(stack: Stack, index: int) -> worker_pb2.Load:
+def worker_load(stack: Stack, index: int = 0) -> worker_pb2.Load:
     with internal_channel(stack.worker_address(index)) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+
+
+def worker_idle(stack: Stack) -> bool:
+    load = worker_load(stack)
+    return load.running == 0 and load.kv_pages_in_use == 0
 
 
 def every_page_back(stack: Stack) -> Callable[[], bool]:

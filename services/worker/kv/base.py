@@ -65,14 +65,9 @@ class KVCache(ABC):
         if not 0 < n < self.num_pages:
             raise ValueError(f"allocate takes 1 to the pool's {self.num_pages - 1} pages, got {n}")
         with self._lock:
-            short, idle = n - len(self._idle), len(self._idle)
-            drawn = self._take_drawn() if short > 0 else 0
+            short = n - len(self._idle)
         if short > 0:
-            # Lease without the lock: a paused daemon holds the call to its deadline, and meanwhile the
-            # worker's load reports (usage) and the daemon's reclaims take the lock.
-            grant = self._lease(short, drawn, idle)
-            with self._lock:
-                self._accept(*grant)
+            self._prefetch(short)
         with self._lock:
             if len(self._idle) < n:
                 return None
@@ -220,11 +215,13 @@ class KVCache(ABC):
 
     # Helpers for subclasses ------------------------------------------------------------------------
 
-    def _prefetch(self) -> None:
-        """Refill the idle list with the suggested number of pages; call without the lock held."""
+    def _prefetch(self, need: int = 0) -> None:
+        """Refill the idle list with at least need pages (0: the suggested number). The lease is taken
+        without the lock: a paused daemon holds the call to its deadline, and meanwhile the worker's load
+        reports (usage) and the daemon's reclaims take the lock."""
         with self._lock:
             drawn, idle = self._take_drawn(), len(self._idle)
-        grant = self._lease(0, drawn, idle)
+        grant = self._lease(need, drawn, idle)
         with self._lock:
             self._accept(*grant)
 

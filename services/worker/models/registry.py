@@ -7,7 +7,6 @@ random model of it in tests/models.py, which the engine's parity tests then run.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.kernels.backend import KernelBackend
+from pagedserve.plumbing.sizes import physical_memory_bytes
 from services.worker.models.decoder import CausalLM
 from services.worker.models.gemma import Gemma2, Gemma3
 from services.worker.models.gpt_oss import GptOss
@@ -127,7 +127,7 @@ def check_rotary_fits(spec: ModelSpec) -> None:
     """Refuse a context whose rotary table (cos and sin of every position, built in float32 in this
     process's memory) would take more than an eighth of the machine's: a config.json may give 10**12."""
     table_gib = spec.max_model_len * spec.head_dim * 2 * 4 / 2**30
-    memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE") / 2**30
+    memory_gib = physical_memory_bytes() / 2**30
     if table_gib > memory_gib / 8:
         raise ModelRefused(
             f"a context of {spec.max_model_len} tokens needs a rotary table of {table_gib:.1f} GiB, more "
