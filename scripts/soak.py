@@ -1,10 +1,12 @@
 """Soak a real stack: mixed traffic for a while, workers killed on a schedule, then nothing may be left over.
 
-    .venv/bin/python scripts/soak.py --minutes 30 [--concurrency 6] [--kill-every 180] [--json soak.json]
+    .venv/bin/python scripts/soak.py --minutes 30 [--concurrency 6] [--kill-every 180] [--dtype float32]
+        [--json soak.json]
 
-It starts `pagedserve up` itself (two workers, the default model in float32, a 256 MiB KV pool) in a new
-private folder, with a fresh shared secret so that it can ask the daemon and the workers for their state.
-Client threads send the public API a mix of requests: greedy and sampled, with stop strings and stop tokens,
+It starts `pagedserve up` itself (two workers, the default model in --dtype, float32 unless named, a KV pool
+of 256 MiB in float32 or its tokens' worth in bfloat16) in a new private folder, with a fresh shared secret
+so that it can ask the daemon and the workers for their state. Client threads send the public API a mix of
+requests: greedy and sampled, with stop strings and stop tokens,
 priorities, logprobs, cancelled, past their deadline, and bad inputs. Each kind has the final gRPC statuses it
 may end with; any other, UNAVAILABLE included (with failover no client sees a worker die), is an error. Every
 --kill-every seconds one worker gets SIGKILL, worker-0 and worker-1 in turn, once the frontend has reached
@@ -145,13 +147,15 @@ class Stack(NamedTuple):
     proc: subprocess.Popen[bytes]
 
 
-def start_stack(secret: str, concurrency: int) -> Stack:
+def start_stack(secret: str, concurrency: int, dtype: str) -> Stack:
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
-    # float32, whatever this CPU would pick: a call a kill came during resumes by recomputing its tokens as a
-    # prefill, which gives the uninterrupted decode's tokens exactly only in float32 (in bfloat16 the two sum
-    # in different orders and round apart); and the "over the pool" requests are sized for float32 pages.
+    # The dtype named, whatever this CPU would pick: a call a kill came during resumes by recomputing some of
+    # its tokens in a prefill, which gives the uninterrupted decodes' tokens exactly where the two compute
+    # alike (README, "Failover"): float32, and bfloat16 on vdpbf16ps without AMX. The pool holds as many
+    # tokens either way: the "over the pool" requests are sized for it.
+    kv_memory = {"float32": "256MiB", "bfloat16": "128MiB"}[dtype]
     command = [sys.executable, "-m", "services.cli", "up", "--workers", "2", "--port", "0", "--kv-memory",
-               "256MiB", "--dtype", "float32", "--max-waiting", str(8 * concurrency),
+               kv_memory, "--dtype", dtype, "--max-waiting", str(8 * concurrency),
                "--run-dir", str(folder / "run")]  # fmt: skip
     with open(folder / "up.log", "wb") as log:
         # Ctrl-C reaches only this script, which stops the stack in order; if this script dies, `up` gets
@@ -272,6 +276,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30, help="how long the traffic runs")
     parser.add_argument("--concurrency", type=int, default=6, help="client threads")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's")
     parser.add_argument("--kill-every", type=float, default=180, help="seconds between worker kills; 0: none")
     parser.add_argument("--sample-every", type=float, default=5, help="seconds between RSS samples")
     parser.add_argument("--stat", choices=("median", "max"), default="median", help="of each third's RSS")
@@ -288,7 +293,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops the stack too, as Ctrl-C does
     default_model_dir()  # converted once, before two workers race for it
     secret = secrets.token_urlsafe(32)
-    stack = start_stack(secret, args.concurrency)
+    stack = start_stack(secret, args.concurrency, args.dtype)
     report: dict[str, Any] = {"args": vars(args), "kills": []}
     try:
         soak(args, stack, wait_up(stack), secret, report)

@@ -96,7 +96,7 @@ SOURCES = [
         "bindings.cpp",
     )
 ]
-HEADERS = [CSRC / "amx.h", CSRC / "checks.h", CSRC / "floats.h"]
+HEADERS = [CSRC / name for name in ("amx.h", "attention_steps.h", "checks.h", "floats.h")]
 # The x86-64 levels (GCC's -march names) an image ships, worst first, each with the flags /proc/cpuinfo
 # must show for a CPU to run it; "native" is this CPU's own.
 _V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}

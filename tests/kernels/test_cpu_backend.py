@@ -253,6 +253,49 @@ def test_bfloat16_decodes_match_the_reference(page_size: int, head_dim: int, gro
         assert_close(actual, expected, torch.bfloat16)
 
 
+@pytest.mark.parametrize("kind", ["plain", "window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize(
+    ("page_size", "head_dim", "group"), [(8, 64, 3), (16, 128, 4), (32, 32, 1), (16, 256, 2)]
+)
+def test_a_bfloat16_decode_is_the_prefill_of_its_token_bit_for_bit(
+    page_size: int, head_dim: int, group: int, kind: str
+) -> None:
+    """Where this CPU multiplies bfloat16 pairs with vdpbf16ps (and AMX's tiles do not run the prefill's
+    products), a bfloat16 token's attention is the same bits whether a decode computes it or a prefill, at
+    any place in a chunk and after any cached prefix: so a sequence's output does not depend on its batch,
+    its chunks, or a failover's recompute of some of its tokens. Every position of a sequence of three steps
+    of keys, as decodes in one step, against the sequence prefilled whole and in two chunks; every slot past
+    its length, and every page it does not own, holds NaN."""
+    found = cpu_features()
+    if not found.avx512_bf16.usable or found.amx_bf16.usable:  # no bfloat16 decode path, or tiles' products
+        assert not CpuBackend(OPS, found)._dot_bf16 or CpuBackend(OPS, found)._amx_attention
+        return
+    backend = CpuBackend(OPS, found)
+    gen = generator(page_size + head_dim + len(kind))
+    length, cached = 300, 137
+    (table,) = random_tables(gen, [length], page_size)
+    kv = random_pool(gen, page_size, head_dim, torch.bfloat16)[0] * 4  # scores of a few units, as a model's
+    poison_pages(kv, unowned_pages([table]))
+    poison_slots(kv, table, range(length, len(table) * page_size))
+    q = fused_qkv(gen, length, group * KV_HEADS, head_dim, torch.bfloat16)[0].contiguous()
+    layer = varied_layers(gen, head_dim**-0.5, group * KV_HEADS, 2 * page_size + 3).get(
+        kind, LayerAttention(head_dim**-0.5)
+    )
+
+    def attend(decodes: list[Chunk], prefills: list[Chunk], rows: torch.Tensor) -> torch.Tensor:
+        return backend.paged_attention(rows, kv, make_metadata(decodes, prefills, page_size), layer)
+
+    whole = attend([], [Chunk(table, 0, length)], q)
+    assert not whole.isnan().any()
+    decodes = attend([Chunk(table, p, 1) for p in range(length)], [], q)
+    assert torch.equal(decodes, whole)
+    chunked = attend([], [Chunk(table, cached, length - cached)], q[cached:])
+    assert torch.equal(chunked, whole[cached:])
+    # A step of both: decodes of the first positions beside the rest as a chunk.
+    mixed = attend([Chunk(table, p, 1) for p in range(cached)], [Chunk(table, cached, length - cached)], q)
+    assert torch.equal(mixed, whole)
+
+
 @pytest.mark.parametrize("kind", ["window", "softcap", "sinks", "all"])
 @pytest.mark.parametrize("page_size", (8, 16))
 def test_windows_softcaps_and_sinks_match_the_reference_and_read_nothing_before_the_window(

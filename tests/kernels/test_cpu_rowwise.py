@@ -352,6 +352,9 @@ def test_packed_linear(backends: list[CpuBackend], rows: int, n: int, k: int, we
             # float32 outputs: the sums are exact in int32, then two float32 products and the bias
             close = (2**-7, 2**-7 * k**0.5) if x.dtype == torch.bfloat16 else (1e-5, 1e-5 * k**0.5)
             torch.testing.assert_close(out.float(), expected, rtol=close[0], atol=close[1])
+            # A row's product is the same bits alone (a decode of one sequence) as among any number of rows.
+            for row in (0, rows - 1):
+                assert torch.equal(backend.linear(x[row : row + 1], packed, b), out[row : row + 1])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 47, 300])

@@ -195,7 +195,7 @@ PACKED_TARGET void tile(const Operands& o, const Sink& sink, const char* w, int6
   for (int i = 0; i < MB; ++i) put_both<Dot>(o, sink, m0 + i, g * kGroup, acc[i]);
 }
 
-// One row against group g: four chains of sums over k, so that each dot product waits on one four back.
+// One int8 row against group g: four chains of sums over k, so that each dot product waits on one four back.
 template <typename Dot, typename Sink>
 PACKED_TARGET void single_row(const Operands& o, const Sink& sink, const char* w, int64_t m, int64_t g) {
   constexpr int64_t kStep = Dot::kStep;
@@ -231,7 +231,9 @@ PACKED_TARGET void rows_against_group(const Operands& o, const Sink& sink, int64
   const int64_t w_bytes = kStepBytes * (o.k_len / Dot::kStep);  // a group's
   const char* w = static_cast<const char*>(o.w) + g * w_bytes;
   int64_t m = m0;
-  if (m_end - m == 1) {
+  // Four chains reorder a float sum: a bfloat16 row then differs by whether it ran alone (a decode step of
+  // one sequence) or in a tile. Integer sums are exact in any order.
+  if (std::is_same_v<Dot, Int8Dot> && m_end - m == 1) {
     single_row<Dot>(o, sink, w, m, g);
     return;
   }

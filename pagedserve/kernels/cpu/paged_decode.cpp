@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_steps.h"
 #include "checks.h"
 #include "floats.h"
 
@@ -51,7 +52,7 @@ inline float score_of(float dot, float factor, float softcap) {
 
 
 constexpr int64_t kPrefetchPages = 2;  // how far ahead of the page being read the next pages are asked for
-constexpr int64_t kRunRows = 4;        // the rows of a run, where the body does not ask for more
+constexpr int64_t kRunRows = 4;        // the rows of a run
 
 // The rows a run asks for ahead of it: the same rows of the page kPrefetchPages ahead, count of them (fewer
 // past the sequence's end, none where that page is not the pool's).
@@ -60,47 +61,37 @@ struct Ahead {
   const T* rows = nullptr;
   int64_t count = 0, row_stride = 0;
 
-  // Rows [first, first + n) of them, one after another in their page, into L2 (prefetcht2). Always inlined:
-  // GCC 12 finds a function that only prefetches free of side effects, and drops every call to it.
-  __attribute__((always_inline)) void prefetch(int64_t first, int64_t n = 1) const {
-    const int64_t end = std::min(first + n, count);
-    if (end <= first) return;
-    const char* from = reinterpret_cast<const char*>(rows + first * row_stride);
-    const int64_t bytes = (end - first) * row_stride * static_cast<int64_t>(sizeof(T));
+  // Its rows, one after another in their page, into L2 (prefetcht2). Always inlined: GCC 12 finds a function
+  // that only prefetches free of side effects, and drops every call to it.
+  __attribute__((always_inline)) void prefetch() const {
+    const char* from = reinterpret_cast<const char*>(rows);
+    const int64_t bytes = count * row_stride * static_cast<int64_t>(sizeof(T));
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(from + b, 0, 1);
   }
 };
 
-// The tokens [lo, len) of a sequence as runs of up to kRows that lie in one page each: body(token, count, the
-// run's first row). The hardware's prefetchers do not follow a block table, and without help a thread spent
-// most of its time waiting for each page (scripts/bench_cpu_ops.py times the op): so before each run the same
-// rows of the page kPrefetchPages ahead are asked for (Ahead). A page's rows all at once, before its first
-// run, filled the core's miss buffers: `perf annotate` put a third of the scores' samples and nearly all of
-// the values' page walk on the instruction after the prefetches. Into L1 (prefetcht0), or one page ahead, was
-// slower. A body that takes a whole page a run asks for them itself, a row as it reaches each
-// (kBodyPrefetches: body(token, count, first row, ahead)).
-template <int64_t kRows = kRunRows, bool kBodyPrefetches = false, typename T, typename Body>
+// The tokens [lo, len) of a sequence as runs of up to kRunRows that lie in one page each: body(token, count,
+// the run's first row). The hardware's prefetchers do not follow a block table, and without help a thread
+// spent most of its time waiting for each page (scripts/bench_cpu_ops.py times the op): so before each run
+// the same rows of the page kPrefetchPages ahead are asked for (Ahead). A page's rows all at once, before its
+// first run, filled the core's miss buffers: `perf annotate` put a third of the scores' samples and nearly
+// all of the values' page walk on the instruction after the prefetches. Into L1 (prefetcht0), or one page
+// ahead, was slower.
+template <typename T, typename Body>
 void for_each_run(const int64_t* table, int64_t lo, int64_t len, int64_t page_size, int64_t pages,
                   int64_t row_stride, const T* data, Body&& body) {
   for (int64_t first = lo; first < len;) {
     const int64_t page = table[first / page_size], offset = first % page_size;
     TORCH_CHECK(page >= 0 && page < pages, "block_tables holds page ", page, ", outside the pool");
-    const int64_t count = std::min({page_size - offset, len - first, kRows});
-    Ahead<T> ahead{nullptr, 0, row_stride};
+    const int64_t count = std::min({page_size - offset, len - first, kRunRows});
     if (const int64_t slot = first + kPrefetchPages * page_size; slot < len) {  // the same slot, pages ahead
       const int64_t later = table[slot / page_size];
       if (later >= 0 && later < pages) {  // else its own run refuses it
-        ahead.rows = data + (later * page_size + offset) * row_stride;
-        ahead.count = std::min(count, len - slot);
+        Ahead<T>{data + (later * page_size + offset) * row_stride, std::min(count, len - slot), row_stride}
+            .prefetch();
       }
     }
-    const T* rows = data + (page * page_size + offset) * row_stride;
-    if constexpr (kBodyPrefetches) {
-      body(first, count, rows, ahead);
-    } else {
-      ahead.prefetch(0, ahead.count);
-      body(first, count, rows);
-    }
+    body(first, count, data + (page * page_size + offset) * row_stride);
     first += count;
   }
 }
@@ -166,64 +157,201 @@ void scores_of(const Task<T>& t, const float* q, float factor, float softcap, fl
 }
 
 #if defined(__x86_64__)
-// The 16 lane sums of v[0..15], in one vector: a tree of unpacks and shuffles, 15 vector adds in all.
-DOT_BF16_TARGET inline __m512 sum_lanes_of_16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+// A bfloat16 token's attention computed as paged_prefill.cpp's Bf16Block computes the same token's rows with
+// vdpbf16ps: the same products in the same order, and attention_steps.h's softmax step, so that a decode's
+// output equals, bit for bit, what a prefill of that token gives (a batch's, a chunk's or a failover's
+// recompute). Each 16 keys' K rows are transposed in registers into pairs of dims, the prefill's K operand;
+// each step's V rows are interleaved in pairs of keys, its V operand; a key the token does not see reads as
+// zeros there, as it does in the prefill's operands.
+
+// 16 rows of 16 32-bit values (r[i], row i) as 16 columns: r[p] ends with value p of row i in lane i.
+DOT_BF16_TARGET inline void transpose_16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // each 128-bit block b: values 4b, 4b + 1 (even t) or 4b + 2, 4b + 3 of two rows
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  for (int i = 0; i < 4; ++i) {  // each 128-bit block of x[i]: the block's sums of v[4i .. 4i + 3]
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  __m512i u[16];
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], block b: value 4b + c of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+  for (int c = 0; c < 4; ++c) {  // value 4b + c: block b of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
 }
 
-// scores_of() for bfloat16 q and K with vdpbf16ps (kDim a multiple of 32): a key's dot product is kDim / 32
-// instructions into one vector, and 16 keys' vectors are summed across their lanes together.
-template <int64_t kDim>
-DOT_BF16_TARGET void scores_of_bf16(const Task<bf16>& t, const bf16* q, float factor, float softcap,
-                                    float* scores) {
-  constexpr int64_t kChunks = kDim / 32;
-  const int64_t span = t.span();
-  // Runs of 16 rows, the keys summed across their lanes together, each key's row of the page ahead asked for
-  // as the first query head reaches the key: the page's 16 rows at once before the run left the op waiting
-  // on them (32 sequences of 480 over 30 layers' pools that stream from memory: 24.7 against 22.7 ms, the
-  // medians of both builds alternated in one process on a Zen 4). The lambda names the target itself: GCC
-  // does not pass a function's target to the lambdas inside it.
-  for_each_run<16, true>(t.table, t.lo, t.len, t.page_size, t.pages, t.row_stride(), t.k_data,
-                   [&](int64_t first, int64_t count, const bf16* base, const Ahead<bf16>& ahead) DOT_BF16_TARGET {
-                   for (int64_t h = t.h0; h < t.h1; ++h) {
-                     for (int64_t g = 0; g < t.group; ++g) {
-                       const int64_t r = (h - t.h0) * t.group + g;
-                       __m512bh query[kChunks];
-                       for (int64_t c = 0; c < kChunks; ++c) {
-                         query[c] = (__m512bh)_mm512_loadu_si512(q + r * kDim + 32 * c);
-                       }
-                       float* row = scores + r * span + (first - t.lo);
-                       for (int64_t i0 = 0; i0 < count; i0 += 16) {
-                         const int64_t keys = std::min<int64_t>(16, count - i0);
-                         __m512 dots[16];
-                         for (int64_t i = 0; i < 16; ++i) {
-                           dots[i] = _mm512_setzero_ps();
-                           if (i >= keys) continue;
-                           if (h == t.h0 && g == 0) ahead.prefetch(i0 + i);
-                           const bf16* key = base + (i0 + i) * t.row_stride() + h * kDim;
-                           for (int64_t c = 0; c < kChunks; ++c) {
-                             dots[i] = _mm512_dpbf16_ps(dots[i], query[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-                           }
-                         }
-                         const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(dots), _mm512_set1_ps(factor));
-                         _mm512_mask_storeu_ps(row + i0, __mmask16((1u << keys) - 1), sums);
-                         if (softcap > 0.0f) {
-                           for (int64_t i = 0; i < keys; ++i) row[i0 + i] = softcap * std::tanh(row[i0 + i] / softcap);
-                         }
-                       }
-                     }
-                   }
-                 });
+constexpr int64_t kAheadKeys = 32;  // how far ahead of the key being read decode_bf16 asks for rows
+
+constexpr int64_t kRowsAtOnce = 4;  // query heads decode_bf16's products take at a time: up to 8 chains of sums
+
+// The unscaled scores of kRows query heads (query: the first's, rows dim apart) against two blocks of 16 keys
+// (k: their pairs of dims, [2, D / 2, 16]), into scores (rows kStepKeys apart): each key's sum over the pairs in
+// order, as the prefill's score_vectors takes them, with 2 kRows chains of sums at once.
+template <int kRows>
+DOT_BF16_TARGET inline void score_rows(const uint16_t* query, const uint32_t* k, int64_t dim, float* scores) {
+  using pagedserve::attention::broadcast_pair, pagedserve::attention::kStepKeys;
+  __m512 sums[kRows][2];
+  for (auto& row : sums) row[0] = row[1] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < dim / 2; ++pair) {
+    const __m512bh key[2] = {(__m512bh)_mm512_loadu_si512(k + pair * 16),
+                             (__m512bh)_mm512_loadu_si512(k + (dim / 2 + pair) * 16)};
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh q_pair = broadcast_pair(query + r * dim + 2 * pair);
+      for (int v = 0; v < 2; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], q_pair, key[v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(scores + r * kStepKeys + 16 * v, sums[r][v]);
+  }
+}
+
+// acc (kRows rows dim apart, 32 columns) += the weights (high and low halves, rows kStepKeys apart) of a step's
+// `keys` keys times their V pairs (pairs: [keys / 2, D], at the columns), a pair of keys at a time in order, as
+// the prefill's accumulate_vectors takes them, with 2 kRows chains of sums at once.
+template <int kRows>
+DOT_BF16_TARGET inline void add_values_rows(const uint16_t* high, const uint16_t* low, int64_t keys,
+                                            const uint32_t* pairs, int64_t dim, float* acc) {
+  using pagedserve::attention::add_pair, pagedserve::attention::kStepKeys;
+  __m512 sums[kRows][2];
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < 2; ++v) sums[r][v] = _mm512_loadu_ps(acc + r * dim + 16 * v);
+  }
+  for (int64_t j = 0; j < keys; j += 2) {
+    const __m512bh value[2] = {(__m512bh)_mm512_loadu_si512(pairs + j / 2 * dim),
+                               (__m512bh)_mm512_loadu_si512(pairs + j / 2 * dim + 16)};
+    for (int r = 0; r < kRows; ++r) {
+      for (int v = 0; v < 2; ++v) {
+        sums[r][v] = add_pair(sums[r][v], high + r * kStepKeys + j, low + r * kStepKeys + j, value[v]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(acc + r * dim + 16 * v, sums[r][v]);
+  }
+}
+
+// A task's scratch for decode_bf16: its rows' scores, weights, sums and state, and a step's operands.
+struct Bf16Scratch {
+  std::vector<float> scores, acc, top, sum;  // [G, kStepKeys], [G, D], [G], [G]
+  std::vector<uint16_t> high, low;            // [G, kStepKeys]
+  std::vector<uint32_t> k_pairs, v_pairs;     // a step's [kStepKeys / 16, D / 2, 16] and [kStepKeys / 2, D]
+};
+
+DOT_BF16_TARGET void decode_bf16(const Task<bf16>& t, const bf16* q, float scale, float softcap, const float* sinks,
+                                 float* out, Bf16Scratch& s) {
+  using namespace pagedserve::attention;
+  const int64_t dim = t.dim, group = t.group, pos = t.len - 1;
+  s.scores.resize(group * kStepKeys);
+  s.high.resize(group * kStepKeys);
+  s.low.resize(group * kStepKeys);
+  s.acc.resize(group * dim);
+  s.top.resize(group);
+  s.sum.resize(group);
+  s.k_pairs.resize(kStepKeys / 2 * dim);
+  s.v_pairs.resize(kStepKeys / 2 * dim);
+  // Key position j's row of KV head h in data, or null where the token does not see it.
+  const auto row_of = [&](const bf16* data, int64_t j, int64_t h) -> const bf16* {
+    if (j < t.lo || j >= t.len) return nullptr;
+    const int64_t page = t.table[j / t.page_size];
+    TORCH_CHECK(page >= 0 && page < t.pages, "block_tables holds page ", page, ", outside the pool");
+    return data + (page * t.page_size + j % t.page_size) * t.row_stride() + h * dim;
+  };
+  // A row kAheadKeys on is asked for into L2 as each is read: the hardware's prefetchers do not follow a block
+  // table (for_each_run above). Always inlined: GCC drops a call to a function that only prefetches.
+  const auto prefetch = [&](const bf16* row) __attribute__((always_inline)) {
+    if (row == nullptr) return;
+    for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(bf16)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 1);
+    }
+  };
+  // V's pair of rows (j, j + 1) interleaved, 32 columns at a time: (row j's, row j + 1's) in each 32 bits.
+  const __m512i first_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
+  for (int64_t h = t.h0; h < t.h1; ++h) {
+    const bf16* rows_q = q + (h - t.h0) * group * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      s.top[g] = sinks ? sinks[(h - t.h0) * group + g] : -1e30f;
+      s.sum[g] = sinks ? 1.0f : 0.0f;
+    }
+    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    for (int64_t k0 = step_of(t.lo); k0 <= pos; k0 += kStepKeys) {
+      const int64_t keys = std::min(kStepKeys, pos + 1 - k0);
+      const int64_t blocks = round_up(keys, 32) / 16;  // of 16 keys: the scores the softmax step reads
+      for (int64_t b = 0; b < blocks; ++b) {
+        const bf16* key[16];
+        for (int i = 0; i < 16; ++i) {
+          key[i] = row_of(t.k_data, k0 + 16 * b + i, h);
+          prefetch(row_of(t.k_data, k0 + 16 * b + i + kAheadKeys, h));
+        }
+        for (int64_t c = 0; c < dim / 2; c += 16) {  // 16 pairs of dims
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) r[i] = key[i] ? _mm512_loadu_si512(key[i] + 2 * c) : _mm512_setzero_si512();
+          transpose_16x16(r);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(s.k_pairs.data() + (b * dim / 2 + c + i) * 16, r[i]);
+        }
+      }
+      for (int64_t g = 0; g < group; g += kRowsAtOnce) {
+        const uint16_t* query = reinterpret_cast<const uint16_t*>(rows_q + g * dim);
+        for (int64_t b = 0; b < blocks; b += 2) {  // blocks is even
+          float* scores = s.scores.data() + g * kStepKeys + b * 16;
+          const uint32_t* k = s.k_pairs.data() + b * dim / 2 * 16;
+          switch (std::min(kRowsAtOnce, group - g)) {
+            case 4: score_rows<4>(query, k, dim, scores); break;
+            case 3: score_rows<3>(query, k, dim, scores); break;
+            case 2: score_rows<2>(query, k, dim, scores); break;
+            default: score_rows<1>(query, k, dim, scores);
+          }
+        }
+      }
+      const int64_t lo = std::max<int64_t>(t.lo - k0, 0), hi = keys;  // seen_in_step's: t.lo is the first key seen
+      for (int64_t g = 0; g < group; ++g) {
+        softmax_step(s.scores.data() + g * kStepKeys, s.high.data() + g * kStepKeys, s.low.data() + g * kStepKeys,
+                     lo, hi, scale, softcap, s.top[g], s.sum[g], s.acc.data() + g * dim, dim);
+      }
+      for (int64_t j = 0; j < keys; j += 2) {
+        const bf16* first = row_of(t.v_data, k0 + j, h);
+        const bf16* second = row_of(t.v_data, k0 + j + 1, h);
+        prefetch(row_of(t.v_data, k0 + j + kAheadKeys, h));
+        prefetch(row_of(t.v_data, k0 + j + 1 + kAheadKeys, h));
+        uint32_t* to = s.v_pairs.data() + j / 2 * dim;
+        for (int64_t d = 0; d < dim; d += 32) {
+          const __m512i a = first ? _mm512_loadu_si512(first + d) : _mm512_setzero_si512();
+          const __m512i b = second ? _mm512_loadu_si512(second + d) : _mm512_setzero_si512();
+          _mm512_storeu_si512(to + d, _mm512_permutex2var_epi16(a, first_half, b));
+          _mm512_storeu_si512(to + d + 16, _mm512_permutex2var_epi16(a, second_half, b));
+        }
+      }
+      for (int64_t g = 0; g < group; g += kRowsAtOnce) {
+        const uint16_t* high = s.high.data() + g * kStepKeys;
+        const uint16_t* low = s.low.data() + g * kStepKeys;
+        for (int64_t d = 0; d < dim; d += 32) {
+          float* acc = s.acc.data() + g * dim + d;
+          const uint32_t* pairs = s.v_pairs.data() + d;
+          switch (std::min(kRowsAtOnce, group - g)) {
+            case 4: add_values_rows<4>(high, low, keys, pairs, dim, acc); break;
+            case 3: add_values_rows<3>(high, low, keys, pairs, dim, acc); break;
+            case 2: add_values_rows<2>(high, low, keys, pairs, dim, acc); break;
+            default: add_values_rows<1>(high, low, keys, pairs, dim, acc);
+          }
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.0f / s.sum[g];
+      float* to = out + ((h - t.h0) * group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) to[d] = s.acc[g * dim + d] * inv;
+    }
+  }
 }
 #endif
 
@@ -319,35 +447,33 @@ void values_of(const Task<T>& t, const float* weights, const float* total, float
 // Per-thread scratch, reused across a thread's tasks.
 struct Scratch {
   std::vector<float> scores, total, acc, wide;
+#if defined(__x86_64__)
+  Bf16Scratch bf16;
+#endif
 };
 
-// One task: its queries at q (float32; q_bf16, the same as bfloat16, where the scores take vdpbf16ps) and its
-// output at out. kDim, when not 0, is the head size known at compile time, which lets the compiler unroll the
-// rows. sinks: the task's first query head's, or null.
+// One task: its queries at q (float32; q_bf16, the same as bfloat16, where decode_bf16 takes a bfloat16 pool)
+// and its output at out. kDim, when not 0, is the head size known at compile time, which lets the compiler
+// unroll the rows. sinks: the task's first query head's, or null.
 template <int64_t kDim, typename T>
 void decode_task(const Task<T>& t, const float* q, const bf16* q_bf16, float factor, float softcap,
                  const float* sinks, float* out, Scratch& scratch) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (q_bf16) return decode_bf16(t, q_bf16, factor, softcap, sinks, out, scratch.bf16);
+  }
+#endif
   scratch.scores.resize(t.rows() * t.span());
   scratch.total.resize(t.rows());
-#if defined(__x86_64__)
-  if constexpr (std::is_same_v<T, bf16> && kDim % 32 == 0 && kDim > 0) {
-    if (q_bf16) {
-      scores_of_bf16<kDim>(t, q_bf16, factor, softcap, scratch.scores.data());
-    } else {
-      scores_of<kDim>(t, q, factor, softcap, scratch.scores.data());
-    }
-  } else
-#endif
-  {
-    scores_of<kDim>(t, q, factor, softcap, scratch.scores.data());
-  }
+  scores_of<kDim>(t, q, factor, softcap, scratch.scores.data());
   softmax_rows(scratch.scores.data(), t.rows(), t.span(), sinks, scratch.total.data());
   values_of<kDim>(t, scratch.scores.data(), scratch.total.data(), out, scratch.acc, scratch.wide);
 }
 
 }  // namespace
 
-// dot_bf16: score bfloat16 keys with vdpbf16ps (the caller has seen this CPU run it).
+// dot_bf16: a bfloat16 token over a bfloat16 pool takes decode_bf16, on vdpbf16ps (the caller has seen this CPU
+// run it).
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor seq_lens, double scale,
                         int64_t window, double softcap, std::optional<at::Tensor> sinks, bool dot_bf16) {
   check(q, kv_layer, block_tables, seq_lens, sinks);

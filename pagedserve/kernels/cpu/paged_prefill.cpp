@@ -35,18 +35,20 @@
 #include <vector>
 
 #include "amx.h"
+#include "attention_steps.h"
 #include "checks.h"
 #include "floats.h"
 
 namespace {
 
 using pagedserve::bf16, pagedserve::kLanes, pagedserve::load, pagedserve::store, pagedserve::to_float, pagedserve::Vec;
+using pagedserve::attention::first_key, pagedserve::attention::kStepKeys, pagedserve::attention::round_up,
+    pagedserve::attention::seen_in_step, pagedserve::attention::step_of;
 #if defined(__x86_64__)
 namespace amx = pagedserve::amx;
 #endif
 
 constexpr int64_t kQueryBlock = 16;  // tokens a task
-constexpr int64_t kStepKeys = 128;   // keys a step of the softmax
 constexpr int64_t kVecs = 4;         // vectors of a row's scores, or of its output's columns, a product holds
 constexpr int64_t kRowsAtOnce = kLanes == 16 ? 6 : 3;  // rows a product holds: 24 (of 32) AVX-512 registers
                                                       // of sums, or 12 (of 16) AVX2 ones
@@ -63,19 +65,6 @@ struct Shape {
   float scale, softcap;
   int64_t window;
 };
-
-// The keys a query at position p sees: [lo, p].
-inline int64_t first_key(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
-
-inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
-
-// The first key of the step of kStepKeys keys that holds key j.
-inline int64_t step_of(int64_t j) { return j / kStepKeys * kStepKeys; }
-
-// The keys [lo, hi) among a step's `keys` from k0 that a query at position p sees (none where lo >= hi).
-inline std::pair<int64_t, int64_t> seen_in_step(int64_t p, int64_t k0, int64_t keys, int64_t window) {
-  return {std::max<int64_t>(first_key(p, window) - k0, 0), std::min(p + 1 - k0, keys)};
-}
 
 // The key positions [base, base + keys) that one (sequence, KV head)'s copied operands hold: whole steps,
 // from the one that holds lo to len.
@@ -234,38 +223,11 @@ class Block {
     }
   }
 
-  // Row r's running max and sum after its scores against the step's keys [lo, hi), which become its weights
-  // (zero elsewhere among the step's `keys`), and the factor its output so far takes (rescale_).
+  // Row r's running max and sum after its scores against the step's keys [lo, hi), and its weights
+  // (attention_steps.h, which the decode's rows take too).
   void softmax(int64_t r, int64_t lo, int64_t hi, int64_t keys) {
-    float* row = probs_.data() + r * kStepKeys;
-    if (lo >= hi) {  // this token sees none of the step's keys
-      std::fill_n(row, keys, 0.0f);
-      rescale_[r] = 1.0f;
-      return;
-    }
-    std::fill(row, row + lo, 0.0f);
-    std::fill(row + hi, row + keys, 0.0f);
-    if (s_.softcap > 0.0f) {
-      for (int64_t j = lo; j < hi; ++j) row[j] = s_.softcap * std::tanh(row[j] / s_.softcap);
-    }
-    float top = top_[r];
-    Vec tops = top - Vec{};  // GCC leaves a max reduction of floats scalar, even under omp simd
-    int64_t j = lo;
-    for (; j + kLanes <= hi; j += kLanes) {
-      const Vec scores = load(row + j);
-      tops = scores > tops ? scores : tops;
-    }
-    for (; j < hi; ++j) top = std::max(top, row[j]);
-    for (int lane = 0; lane < kLanes; ++lane) top = std::max(top, tops[lane]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = lo; j < hi; ++j) {
-      row[j] = std::exp(row[j] - top);
-      sum += row[j];
-    }
-    rescale_[r] = std::exp(top_[r] - top);
-    sum_[r] = sum_[r] * rescale_[r] + sum;
-    top_[r] = top;
+    pagedserve::attention::float_softmax_step(probs_.data() + r * kStepKeys, lo, hi, keys, s_.softcap, top_[r],
+                                              sum_[r], rescale_[r]);
   }
 
   // acc_ = acc_ * rescale_ + probs_ V for the `keys` keys at o's index j0 on, kVecs vectors of columns at a
@@ -324,28 +286,6 @@ class Block {
 // read stays unread. The softmax runs on AVX-512 between the products, up to kStepKeys keys a row at a time
 // (four of P's tiles of 32 columns).
 constexpr int64_t kVectorRows = 4;  // rows the vdpbf16ps products take at a time: 16 registers of sums
-constexpr float kLog2e = 1.44269504f;
-
-// 2^t for t <= 0 in the lanes of `seen`, zero in the others: t = n + f, |f| <= 1/2, 2^f by a polynomial of
-// degree 5 fitted to it there (relative error below 2.2e-7 in float32), times 2^n. t below -126 gives 2^-126.
-DOT_BF16_TARGET inline __m512 exp2_nonpositive(__mmask16 seen, __m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.32669706e-3f);
-  for (const float c : {9.67545994e-3f, 5.55074252e-2f, 2.40221217e-1f, 6.93146944e-1f, 1.00000012f}) {
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  }
-  return _mm512_maskz_scalef_ps(seen, p, n);
-}
-
-// The bfloat16 pair at p (two consecutive values) in every 32-bit lane: a row's operand for vdpbf16ps.
-DOT_BF16_TARGET inline __m512bh broadcast_pair(const uint16_t* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof pair);
-  return (__m512bh)_mm512_set1_epi32(pair);
-}
-
 struct Operands : KeySpan {
   std::vector<uint16_t> k, v;  // bfloat16 bits: [D / 2, keys, 2] and [keys / 2, D, 2]
 };
@@ -480,7 +420,7 @@ class Bf16Block {
           __m512bh key[4];
           for (int v = 0; v < 4; ++v) key[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
           for (int64_t i = 0; i < kVectorRows; ++i) {
-            const __m512bh query = broadcast_pair(q_.data() + (r0 + i) * dim + 2 * pair);
+            const __m512bh query = pagedserve::attention::broadcast_pair(q_.data() + (r0 + i) * dim + 2 * pair);
             for (int v = 0; v < 4; ++v) sums[i][v] = _mm512_dpbf16_ps(sums[i][v], query, key[v]);
           }
         }
@@ -492,69 +432,11 @@ class Bf16Block {
   }
 
   // Row r's running max, sum and output rescaled after its scores against the step's keys [lo, hi), and its
-  // weights in probs_ as their two halves (zero outside [lo, hi)), 32 keys at a time: the scores' row holds
-  // kStepKeys, so the keys past hi up to a multiple of 32 are there to read, and masked off.
+  // weights in probs_ as their two halves (attention_steps.h, which the decode's rows take too).
   DOT_BF16_TARGET void update(int64_t r, int64_t lo, int64_t hi) {
     uint16_t* high = probs_.data() + r * kStepKeys;
-    uint16_t* low = high + probs_.size() / 2;
-    if (lo >= hi) {  // this token sees none of the step's keys
-      std::fill_n(high, kStepKeys, 0);
-      std::fill_n(low, kStepKeys, 0);
-      return;
-    }
-    const int64_t first = lo / 32 * 32, end = round_up(hi, 32);  // the weights written below
-    for (int64_t j = 0; j < kStepKeys; j += 32) {
-      if (j < first || j >= end) {
-        _mm512_storeu_si512(high + j, _mm512_setzero_si512());
-        _mm512_storeu_si512(low + j, _mm512_setzero_si512());
-      }
-    }
-    float* row = scores_.data() + r * kStepKeys;
-    if (s_.softcap > 0.0f) {
-      for (int64_t j = lo; j < hi; ++j) row[j] = s_.softcap * std::tanh(row[j] * s_.scale / s_.softcap) / s_.scale;
-    }
-    // The lanes of keys [j, j + 16) in [lo, hi), as two comparisons of their indices. (GCC does not pass a
-    // function's target to the lambdas inside it.)
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i from = _mm512_set1_epi32(static_cast<int32_t>(lo)), to = _mm512_set1_epi32(static_cast<int32_t>(hi));
-    const auto seen = [&](int64_t j) DOT_BF16_TARGET {
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j)));
-      return _mm512_mask_cmplt_epi32_mask(_mm512_cmpge_epi32_mask(key, from), key, to);
-    };
-    __m512 top[2] = {_mm512_set1_ps(-1e30f), _mm512_set1_ps(-1e30f)};  // two chains of maxes, not one
-    for (int64_t j = first; j < end; j += 32) {
-      for (int v = 0; v < 2; ++v) {
-        top[v] = _mm512_mask_max_ps(top[v], seen(j + 16 * v), top[v], _mm512_loadu_ps(row + j + 16 * v));
-      }
-    }
-    const float was = top_[r], now = std::max(was, _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1])) * s_.scale);
-    // A weight is e^x = 2^(x log2(e)), x = score * scale - now, which the FMA rounds once.
-    const __m512 scale = _mm512_set1_ps(s_.scale), shift = _mm512_set1_ps(now), log2e = _mm512_set1_ps(kLog2e);
-    // A weight's high half is its first 8 significant bits (the bfloat16 it truncates to), and its low half
-    // the bfloat16 of the rest, exact in float32: hi + lo is the weight to 2^-16 of it.
-    const __m512i truncate = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = first; j < end; j += 32) {
-      __m512 e[2], e_high[2];
-      for (int v = 0; v < 2; ++v) {
-        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16 * v), scale, shift);
-        e[v] = exp2_nonpositive(seen(j + 16 * v), _mm512_mul_ps(x, log2e));
-        sum = _mm512_add_ps(sum, e[v]);
-        e_high[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e[v]), truncate));
-      }
-      _mm512_storeu_si512(high + j, (__m512i)_mm512_cvtne2ps_pbh(e_high[1], e_high[0]));
-      _mm512_storeu_si512(low + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(e[1], e_high[1]),
-                                                                  _mm512_sub_ps(e[0], e_high[0])));
-    }
-    const float rescale = std::exp(was - now);
-    top_[r] = now;
-    sum_[r] = sum_[r] * rescale + _mm512_reduce_add_ps(sum);
-    if (rescale != 1.0f) {
-      float* acc = acc_.data() + r * s_.dim;
-      for (int64_t d = 0; d < s_.dim; d += 16) {
-        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(rescale)));
-      }
-    }
+    pagedserve::attention::softmax_step(scores_.data() + r * kStepKeys, high, high + probs_.size() / 2, lo, hi,
+                                        s_.scale, s_.softcap, top_[r], sum_[r], acc_.data() + r * s_.dim, s_.dim);
   }
 
   // acc_ += probs_ V for the `keys` keys at o's index j0 on (32 a step): 64 columns of the sums at a time in
@@ -628,9 +510,9 @@ class Bf16Block {
       __m512bh value[kVecs];
       for (int v = 0; v < kVecs; ++v) value[v] = (__m512bh)_mm512_loadu_si512(pairs + 32 * v);
       for (int64_t i = 0; i < kVectorRows; ++i) {
-        const __m512bh p_high = broadcast_pair(high + i * kStepKeys + j), p_low = broadcast_pair(low + i * kStepKeys + j);
         for (int v = 0; v < kVecs; ++v) {
-          sums[i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sums[i][v], p_high, value[v]), p_low, value[v]);
+          sums[i][v] = pagedserve::attention::add_pair(sums[i][v], high + i * kStepKeys + j, low + i * kStepKeys + j,
+                                                       value[v]);
         }
       }
     }
