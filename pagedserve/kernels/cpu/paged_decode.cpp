@@ -107,6 +107,25 @@ struct Task {
   int64_t row_stride() const { return kv_heads * dim; }  // elements between consecutive tokens of a page
   int64_t rows() const { return (h1 - h0) * group; }
   int64_t span() const { return len - lo; }
+
+  // Key position j's row of KV head h in data (K's or V's), or null where the token does not see it.
+  const T* row(const T* data, int64_t j, int64_t h) const {
+    if (j < lo || j >= len) return nullptr;
+    const int64_t page = table[j / page_size];
+    TORCH_CHECK(page >= 0 && page < pages, "block_tables holds page ", page, ", outside the pool");
+    return data + (page * page_size + j % page_size) * row_stride() + h * dim;
+  }
+
+  // The rows of keys [first, first + n) (row() of each), with one look at the table where they lie in one
+  // page and are all seen.
+  void rows_at(const T* data, int64_t first, int64_t h, int64_t n, const T** out) const {
+    if (first >= lo && first + n <= len && first / page_size == (first + n - 1) / page_size) {
+      const T* base = row(data, first, h);
+      for (int64_t i = 0; i < n; ++i) out[i] = base + i * row_stride();
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = row(data, first + i, h);
+  }
 };
 
 // Each query head's softcapped, scaled score of each key: a dot product and a sum of its lanes a key. With
@@ -156,13 +175,59 @@ void scores_of(const Task<T>& t, const float* q, float factor, float softcap, fl
                });
 }
 
+// How far ahead of the keys being read decode_bf16 asks for their rows, into L2 (for_each_run says why).
+// Always inlined: GCC finds a function that only prefetches free of side effects, and drops every call to it.
+constexpr int64_t kAheadKeys = 32;
+
+template <typename T>
+__attribute__((always_inline)) inline void prefetch(int64_t dim, const T* row) {
+  if (row == nullptr) return;
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 1);
+  }
+}
+
+// Rows [first, first + n) of a task's KV head h in data, kAheadKeys on, asked for.
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_ahead(const Task<T>& t, const T* data, int64_t first, int64_t h,
+                                                          int64_t n) {
+  const T* ahead[16];
+  t.rows_at(data, first + kAheadKeys, h, n, ahead);
+  for (int64_t i = 0; i < n; ++i) prefetch(t.dim, ahead[i]);
+}
+
+constexpr int64_t kRowsAtOnce = 4;  // query heads decode_bf16's products take at a time
+
+// Either of decode_bf16's products for `rows` query heads (up to kRowsAtOnce) over `vecs` vectors left (of
+// keys or of output columns, an even number): run.template operator()<kRows, kVecs>() for the next ones,
+// returning how many vectors it took. Up to 3 heads take 4 vectors where there are 4, so that 4 to 12 chains
+// of sums (within AVX-512's 32 registers) keep vdpbf16ps busy: each waits on the one before it in its chain.
+template <typename Run>
+inline int64_t some_vectors(int64_t rows, int64_t vecs, Run&& run) {
+  if (rows <= 3 && vecs >= 4) {
+    switch (rows) {
+      case 3: run.template operator()<3, 4>(); break;
+      case 2: run.template operator()<2, 4>(); break;
+      default: run.template operator()<1, 4>();
+    }
+    return 4;
+  }
+  switch (rows) {
+    case 4: run.template operator()<4, 2>(); break;
+    case 3: run.template operator()<3, 2>(); break;
+    case 2: run.template operator()<2, 2>(); break;
+    default: run.template operator()<1, 2>();
+  }
+  return 2;
+}
+
 #if defined(__x86_64__)
-// A bfloat16 token's attention computed as paged_prefill.cpp's Bf16Block computes the same token's rows with
-// vdpbf16ps: the same products in the same order, and attention_steps.h's softmax step, so that a decode's
+// A bfloat16 query over a bfloat16 pool, where vdpbf16ps runs, as paged_prefill.cpp's Bf16Block computes the
+// same token's row: each key's score summed over pairs of dims in order, attention_steps.h's softmax step
+// (the weights as two bfloat16 halves), each output column summed over pairs of keys in order. So a decode's
 // output equals, bit for bit, what a prefill of that token gives (a batch's, a chunk's or a failover's
-// recompute). Each 16 keys' K rows are transposed in registers into pairs of dims, the prefill's K operand;
-// each step's V rows are interleaved in pairs of keys, its V operand; a key the token does not see reads as
-// zeros there, as it does in the prefill's operands.
+// recompute). K's rows go 16 keys at a time into pairs of dims, the prefill's K operand, and V's into pairs
+// of keys, its V operand; a key the token does not see reads as zeros, as it does there.
 
 // 16 rows of 16 32-bit values (r[i], row i) as 16 columns: r[p] ends with value p of row i in lane i.
 DOT_BF16_TARGET inline void transpose_16x16(__m512i* r) {
@@ -189,55 +254,76 @@ DOT_BF16_TARGET inline void transpose_16x16(__m512i* r) {
   }
 }
 
-constexpr int64_t kAheadKeys = 32;  // how far ahead of the key being read decode_bf16 asks for rows
-
-constexpr int64_t kRowsAtOnce = 4;  // query heads decode_bf16's products take at a time: up to 8 chains of sums
-
-// The unscaled scores of kRows query heads (query: the first's, rows dim apart) against two blocks of 16 keys
-// (k: their pairs of dims, [2, D / 2, 16]), into scores (rows kStepKeys apart): each key's sum over the pairs in
-// order, as the prefill's score_vectors takes them, with 2 kRows chains of sums at once.
-template <int kRows>
-DOT_BF16_TARGET inline void score_rows(const uint16_t* query, const uint32_t* k, int64_t dim, float* scores) {
+// The unscaled scores of kRows query heads (query: the first's, rows dim apart) against kBlocks blocks of 16
+// keys (k: their pairs of dims, [kBlocks, D / 2, 16]), into scores (rows kStepKeys apart): each key's sum over
+// the pairs in order, as the prefill's score_vectors takes them, in kRows kBlocks chains of sums at once.
+template <int kRows, int kBlocks>
+DOT_BF16_TARGET inline void score_rows_bf16(const uint16_t* query, const uint32_t* k, int64_t dim, float* scores) {
   using pagedserve::attention::broadcast_pair, pagedserve::attention::kStepKeys;
-  __m512 sums[kRows][2];
-  for (auto& row : sums) row[0] = row[1] = _mm512_setzero_ps();
+  __m512 sums[kRows][kBlocks];
+  for (auto& row : sums) {
+    for (__m512& sum : row) sum = _mm512_setzero_ps();
+  }
   for (int64_t pair = 0; pair < dim / 2; ++pair) {
-    const __m512bh key[2] = {(__m512bh)_mm512_loadu_si512(k + pair * 16),
-                             (__m512bh)_mm512_loadu_si512(k + (dim / 2 + pair) * 16)};
+    __m512bh key[kBlocks];
+    for (int v = 0; v < kBlocks; ++v) key[v] = (__m512bh)_mm512_loadu_si512(k + (v * dim / 2 + pair) * 16);
     for (int r = 0; r < kRows; ++r) {
       const __m512bh q_pair = broadcast_pair(query + r * dim + 2 * pair);
-      for (int v = 0; v < 2; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], q_pair, key[v]);
+      for (int v = 0; v < kBlocks; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], q_pair, key[v]);
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(scores + r * kStepKeys + 16 * v, sums[r][v]);
+    for (int v = 0; v < kBlocks; ++v) _mm512_storeu_ps(scores + r * kStepKeys + 16 * v, sums[r][v]);
   }
 }
 
-// acc (kRows rows dim apart, 32 columns) += the weights (high and low halves, rows kStepKeys apart) of a step's
-// `keys` keys times their V pairs (pairs: [keys / 2, D], at the columns), a pair of keys at a time in order, as
-// the prefill's accumulate_vectors takes them, with 2 kRows chains of sums at once.
-template <int kRows>
-DOT_BF16_TARGET inline void add_values_rows(const uint16_t* high, const uint16_t* low, int64_t keys,
+// acc (kRows rows dim apart, kVecs vectors of 16 columns) += the weights (high and low halves, rows kStepKeys
+// apart) of a step's `keys` keys times their V pairs (pairs: [keys / 2, D], at the columns), a pair of keys at
+// a time in order, as the prefill's accumulate_vectors takes them, in kRows kVecs chains of sums at once.
+template <int kRows, int kVecs>
+DOT_BF16_TARGET inline void add_values_bf16(const uint16_t* high, const uint16_t* low, int64_t keys,
                                             const uint32_t* pairs, int64_t dim, float* acc) {
   using pagedserve::attention::add_pair, pagedserve::attention::kStepKeys;
-  __m512 sums[kRows][2];
+  __m512 sums[kRows][kVecs];
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < 2; ++v) sums[r][v] = _mm512_loadu_ps(acc + r * dim + 16 * v);
+    for (int v = 0; v < kVecs; ++v) sums[r][v] = _mm512_loadu_ps(acc + r * dim + 16 * v);
   }
   for (int64_t j = 0; j < keys; j += 2) {
-    const __m512bh value[2] = {(__m512bh)_mm512_loadu_si512(pairs + j / 2 * dim),
-                               (__m512bh)_mm512_loadu_si512(pairs + j / 2 * dim + 16)};
+    __m512bh value[kVecs];
+    for (int v = 0; v < kVecs; ++v) value[v] = (__m512bh)_mm512_loadu_si512(pairs + j / 2 * dim + 16 * v);
     for (int r = 0; r < kRows; ++r) {
-      for (int v = 0; v < 2; ++v) {
+      for (int v = 0; v < kVecs; ++v) {
         sums[r][v] = add_pair(sums[r][v], high + r * kStepKeys + j, low + r * kStepKeys + j, value[v]);
       }
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(acc + r * dim + 16 * v, sums[r][v]);
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(acc + r * dim + 16 * v, sums[r][v]);
   }
 }
+
+struct Bf16Scores {
+  const uint16_t* query;
+  const uint32_t* k;
+  int64_t dim;
+  float* scores;
+  template <int kRows, int kVecs>
+  DOT_BF16_TARGET void operator()() const {
+    score_rows_bf16<kRows, kVecs>(query, k, dim, scores);
+  }
+};
+
+struct Bf16Values {
+  const uint16_t *high, *low;
+  int64_t keys;
+  const uint32_t* pairs;
+  int64_t dim;
+  float* acc;
+  template <int kRows, int kVecs>
+  DOT_BF16_TARGET void operator()() const {
+    add_values_bf16<kRows, kVecs>(high, low, keys, pairs, dim, acc);
+  }
+};
 
 // A task's scratch for decode_bf16: its rows' scores, weights, sums and state, and a step's operands.
 struct Bf16Scratch {
@@ -258,21 +344,6 @@ DOT_BF16_TARGET void decode_bf16(const Task<bf16>& t, const bf16* q, float scale
   s.sum.resize(group);
   s.k_pairs.resize(kStepKeys / 2 * dim);
   s.v_pairs.resize(kStepKeys / 2 * dim);
-  // Key position j's row of KV head h in data, or null where the token does not see it.
-  const auto row_of = [&](const bf16* data, int64_t j, int64_t h) -> const bf16* {
-    if (j < t.lo || j >= t.len) return nullptr;
-    const int64_t page = t.table[j / t.page_size];
-    TORCH_CHECK(page >= 0 && page < t.pages, "block_tables holds page ", page, ", outside the pool");
-    return data + (page * t.page_size + j % t.page_size) * t.row_stride() + h * dim;
-  };
-  // A row kAheadKeys on is asked for into L2 as each is read: the hardware's prefetchers do not follow a block
-  // table (for_each_run above). Always inlined: GCC drops a call to a function that only prefetches.
-  const auto prefetch = [&](const bf16* row) __attribute__((always_inline)) {
-    if (row == nullptr) return;
-    for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(bf16)); b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 1);
-    }
-  };
   // V's pair of rows (j, j + 1) interleaved, 32 columns at a time: (row j's, row j + 1's) in each 32 bits.
   const __m512i first_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -289,10 +360,8 @@ DOT_BF16_TARGET void decode_bf16(const Task<bf16>& t, const bf16* q, float scale
       const int64_t blocks = round_up(keys, 32) / 16;  // of 16 keys: the scores the softmax step reads
       for (int64_t b = 0; b < blocks; ++b) {
         const bf16* key[16];
-        for (int i = 0; i < 16; ++i) {
-          key[i] = row_of(t.k_data, k0 + 16 * b + i, h);
-          prefetch(row_of(t.k_data, k0 + 16 * b + i + kAheadKeys, h));
-        }
+        t.rows_at(t.k_data, k0 + 16 * b, h, 16, key);
+        prefetch_ahead(t, t.k_data, k0 + 16 * b, h, 16);
         for (int64_t c = 0; c < dim / 2; c += 16) {  // 16 pairs of dims
           __m512i r[16];
           for (int i = 0; i < 16; ++i) r[i] = key[i] ? _mm512_loadu_si512(key[i] + 2 * c) : _mm512_setzero_si512();
@@ -302,15 +371,10 @@ DOT_BF16_TARGET void decode_bf16(const Task<bf16>& t, const bf16* q, float scale
       }
       for (int64_t g = 0; g < group; g += kRowsAtOnce) {
         const uint16_t* query = reinterpret_cast<const uint16_t*>(rows_q + g * dim);
-        for (int64_t b = 0; b < blocks; b += 2) {  // blocks is even
-          float* scores = s.scores.data() + g * kStepKeys + b * 16;
-          const uint32_t* k = s.k_pairs.data() + b * dim / 2 * 16;
-          switch (std::min(kRowsAtOnce, group - g)) {
-            case 4: score_rows<4>(query, k, dim, scores); break;
-            case 3: score_rows<3>(query, k, dim, scores); break;
-            case 2: score_rows<2>(query, k, dim, scores); break;
-            default: score_rows<1>(query, k, dim, scores);
-          }
+        const int64_t rows = std::min(kRowsAtOnce, group - g);
+        for (int64_t b = 0; b < blocks;) {  // blocks is even
+          b += some_vectors(rows, blocks - b, Bf16Scores{query, s.k_pairs.data() + b * dim / 2 * 16, dim,
+                                                        s.scores.data() + g * kStepKeys + b * 16});
         }
       }
       const int64_t lo = std::max<int64_t>(t.lo - k0, 0), hi = keys;  // seen_in_step's: t.lo is the first key seen
@@ -318,31 +382,27 @@ DOT_BF16_TARGET void decode_bf16(const Task<bf16>& t, const bf16* q, float scale
         softmax_step(s.scores.data() + g * kStepKeys, s.high.data() + g * kStepKeys, s.low.data() + g * kStepKeys,
                      lo, hi, scale, softcap, s.top[g], s.sum[g], s.acc.data() + g * dim, dim);
       }
-      for (int64_t j = 0; j < keys; j += 2) {
-        const bf16* first = row_of(t.v_data, k0 + j, h);
-        const bf16* second = row_of(t.v_data, k0 + j + 1, h);
-        prefetch(row_of(t.v_data, k0 + j + kAheadKeys, h));
-        prefetch(row_of(t.v_data, k0 + j + 1 + kAheadKeys, h));
-        uint32_t* to = s.v_pairs.data() + j / 2 * dim;
-        for (int64_t d = 0; d < dim; d += 32) {
-          const __m512i a = first ? _mm512_loadu_si512(first + d) : _mm512_setzero_si512();
-          const __m512i b = second ? _mm512_loadu_si512(second + d) : _mm512_setzero_si512();
-          _mm512_storeu_si512(to + d, _mm512_permutex2var_epi16(a, first_half, b));
-          _mm512_storeu_si512(to + d + 16, _mm512_permutex2var_epi16(a, second_half, b));
+      for (int64_t j0 = 0; j0 < keys; j0 += 16) {  // V's rows interleaved in pairs
+        const int64_t n = std::min<int64_t>(16, round_up(keys - j0, 2));
+        const bf16* values[16];
+        t.rows_at(t.v_data, k0 + j0, h, n, values);
+        prefetch_ahead(t, t.v_data, k0 + j0, h, n);
+        for (int64_t i = 0; i < n; i += 2) {
+          uint32_t* to = s.v_pairs.data() + (j0 + i) / 2 * dim;
+          for (int64_t d = 0; d < dim; d += 32) {
+            const __m512i a = values[i] ? _mm512_loadu_si512(values[i] + d) : _mm512_setzero_si512();
+            const __m512i b = values[i + 1] ? _mm512_loadu_si512(values[i + 1] + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(to + d, _mm512_permutex2var_epi16(a, first_half, b));
+            _mm512_storeu_si512(to + d + 16, _mm512_permutex2var_epi16(a, second_half, b));
+          }
         }
       }
       for (int64_t g = 0; g < group; g += kRowsAtOnce) {
-        const uint16_t* high = s.high.data() + g * kStepKeys;
-        const uint16_t* low = s.low.data() + g * kStepKeys;
-        for (int64_t d = 0; d < dim; d += 32) {
-          float* acc = s.acc.data() + g * dim + d;
-          const uint32_t* pairs = s.v_pairs.data() + d;
-          switch (std::min(kRowsAtOnce, group - g)) {
-            case 4: add_values_rows<4>(high, low, keys, pairs, dim, acc); break;
-            case 3: add_values_rows<3>(high, low, keys, pairs, dim, acc); break;
-            case 2: add_values_rows<2>(high, low, keys, pairs, dim, acc); break;
-            default: add_values_rows<1>(high, low, keys, pairs, dim, acc);
-          }
+        const int64_t rows = std::min(kRowsAtOnce, group - g);
+        for (int64_t d = 0; d < dim;) {  // dim is a multiple of 32
+          d += 16 * some_vectors(rows, (dim - d) / 16,
+                                 Bf16Values{s.high.data() + g * kStepKeys, s.low.data() + g * kStepKeys, keys,
+                                           s.v_pairs.data() + d, dim, s.acc.data() + g * dim + d});
         }
       }
     }
