@@ -192,6 +192,33 @@ def test_a_missing_or_misshapen_scale_is_refused(tmp_path: Path) -> None:
         load_model(folder, dtype=torch.float32, device=CPU, backend=backend("torch"))
 
 
+@pytest.mark.parametrize(
+    ("scheme", "name"),
+    [
+        ("fp8", "model.layers.0.self_attn.q_proj.weight"),
+        ("int8", "model.layers.1.mlp.down_proj.weight_scale"),
+    ],
+)
+def test_a_stored_weight_or_scale_that_is_not_finite_is_refused(
+    scheme: str, name: str, tmp_path: Path
+) -> None:
+    """A float8 weight's NaN byte (e4m3fn's 0x7f), or a NaN scale, would serve NaN logprobs and report
+    SERVING: the load refuses it, naming the tensor and the dtype it is stored in."""
+    folder = compress_checkpoint(make_model("llama", tmp_path / "source"), tmp_path / scheme, scheme)  # type: ignore[arg-type]
+    with safe_open(folder / "model.safetensors", framework="pt") as stored:
+        tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
+    poisoned = tensors[name].clone()
+    if poisoned.dtype == torch.float8_e4m3fn:
+        poisoned.view(torch.uint8)[0, 0] = 0x7F
+        dtype = "float8_e4m3fn"
+    else:
+        poisoned.view(-1)[0] = float("nan")
+        dtype = "float32"
+    save_file({**tensors, name: poisoned}, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelRefused, match=f"{name} holds NaN or infinite values in {dtype}"):
+        load_model(folder, dtype=torch.float32, device=CPU, backend=backend("torch"))
+
+
 def next_token_logprobs(model: CausalLM, sequence: list[int], new: int) -> torch.Tensor:
     """Log-softmax of the model's logits at the last `new` positions of sequence, through the engine's
     prompt scoring: one prefill with every position's logits."""
