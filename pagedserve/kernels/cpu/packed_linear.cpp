@@ -430,10 +430,40 @@ void run_amx(const Operands& o, int64_t m_len, int64_t groups, bool gated) {
   });
 }
 
+// max |x| of a row of K: bfloat16's in its bits (their order is the values' where the sign is cleared), 32 at a
+// time.
+template <typename X>
+PACKED_TARGET float max_abs(const X* row, int64_t k_len) {
+  if constexpr (std::is_same_v<X, bf16>) {
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t k = 0; k < k_len; k += 32) {
+      const __mmask32 mask = k + 32 <= k_len ? ~__mmask32(0) : (__mmask32(1) << (k_len - k)) - 1;
+      top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_maskz_loadu_epi16(mask, row + k), magnitude));
+    }
+    const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(top)),
+                                          _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(top, 1)));
+    const uint32_t bits = _mm512_reduce_max_epu32(wide) << 16;
+    float max;
+    std::memcpy(&max, &bits, sizeof max);
+    return max;
+  } else {
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_len; k += 16) {
+      const __mmask16 mask = k + 16 <= k_len ? __mmask16(0xFFFF) : __mmask16((1u << (k_len - k)) - 1);
+      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, row + k)));
+    }
+    return _mm512_reduce_max_ps(top);
+  }
+}
+
 // x [M, K] (bfloat16 or float32) as int8 per row, symmetric (scale = max |x| * (1 / 127), x * (127 / max |x|)
 // rounded to nearest even), stored offset by 128 as uint8: q [M, K]; scales [M].
 template <typename X>
 PACKED_TARGET void quantize_rows(const X* x, int64_t m_len, int64_t k_len, uint8_t* q, float* scales) {
+  // The dword order that puts 4 vectors of int32, packed to bytes per 128-bit lane by packs_epi32 and
+  // packs_epi16, back in order: dword j of the result is 128-bit lane j % 4's of vector j / 4.
+  const __m512i packed_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   at::parallel_for(0, m_len, 16, [&](int64_t begin, int64_t end) PACKED_TARGET {
     for (int64_t m = begin; m < end; ++m) {
       const X* row = x + m * k_len;
@@ -448,16 +478,24 @@ PACKED_TARGET void quantize_rows(const X* x, int64_t m_len, int64_t k_len, uint8
       const auto mask_at = [&](int64_t k) {
         return k + 16 <= k_len ? __mmask16(0xFFFF) : __mmask16((1u << (k_len - k)) - 1);
       };
-      __m512 top = _mm512_setzero_ps();
-      for (int64_t k = 0; k < k_len; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen(k, mask_at(k))));
-      const float max = _mm512_reduce_max_ps(top);
+      const float max = max_abs(row, k_len);
       // Written as -ffast-math leaves them (a product by a constant's reciprocal, one division), so that a
       // reference in float32 rounds the same ties the same way.
       scales[m] = max > 0.0f ? max * (1.0f / 127.0f) : 1.0f;
       const __m512 inverse = _mm512_set1_ps(max > 0.0f ? 127.0f / max : 1.0f);
-      for (int64_t k = 0; k < k_len; k += 16) {
-        const __m512i ints = _mm512_cvtps_epi32(_mm512_mul_ps(widen(k, mask_at(k)), inverse));  // to nearest
-        const __m512i offset = _mm512_add_epi32(ints, _mm512_set1_epi32(128));
+      const auto ints = [&](int64_t k, __mmask16 mask) PACKED_TARGET {  // to nearest, in [-127, 127]
+        return _mm512_cvtps_epi32(_mm512_mul_ps(widen(k, mask), inverse));
+      };
+      int64_t k = 0;
+      for (; k + 64 <= k_len; k += 64) {  // 64 bytes at a time: packed twice (per 128-bit lane), then in order
+        const __m512i first = _mm512_packs_epi32(ints(k, 0xFFFF), ints(k + 16, 0xFFFF));
+        const __m512i second = _mm512_packs_epi32(ints(k + 32, 0xFFFF), ints(k + 48, 0xFFFF));
+        const __m512i bytes = _mm512_packs_epi16(first, second);
+        const __m512i ordered = _mm512_permutexvar_epi32(packed_order, bytes);
+        _mm512_storeu_si512(q + m * k_len + k, _mm512_xor_si512(ordered, _mm512_set1_epi8(-128)));  // + 128
+      }
+      for (; k < k_len; k += 16) {
+        const __m512i offset = _mm512_add_epi32(ints(k, mask_at(k)), _mm512_set1_epi32(128));
         _mm_mask_storeu_epi8(q + m * k_len + k, mask_at(k), _mm512_cvtusepi32_epi8(offset));
       }
     }
