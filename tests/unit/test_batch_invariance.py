@@ -10,7 +10,6 @@ from collections import defaultdict
 
 import torch
 
-from pagedserve.kernels.cpu_backend import CpuBackend, cpu_ops
 from pagedserve.kernels.cpu_features import cpu_features
 from scripts.eval_quantized import PROMPTS, chat_prompts
 from services.common.default_model import default_model_dir
@@ -22,6 +21,7 @@ from services.worker.core.sequence import TokenLogprob
 from services.worker.kv.local import LocalKVCache
 from services.worker.models import CausalLM, load_model
 from tests.pages import assert_pages_back
+from tests.unit.test_engine import backend
 
 NEW_TOKENS = 40
 OPTIONS = SamplingOptions(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -35,10 +35,8 @@ def bfloat16_decodes_as_prefills() -> bool:
 
 
 def model(dtype: torch.dtype) -> CausalLM:
-    ops = cpu_ops()
-    assert ops is not None, "the C++ CPU kernels must build here"
-    backend = CpuBackend(ops, cpu_features())
-    return load_model(default_model_dir(), dtype=dtype, device=torch.device("cpu"), backend=backend)
+    kernels = backend("cpu-worker")  # the instructions the worker uses here
+    return load_model(default_model_dir(), dtype=dtype, device=torch.device("cpu"), backend=kernels)
 
 
 Output = tuple[list[int], list[TokenLogprob]]

@@ -54,19 +54,21 @@ inline float score_of(float dot, float factor, float softcap) {
 constexpr int64_t kPrefetchPages = 2;  // how far ahead of the page being read the next pages are asked for
 constexpr int64_t kRunRows = 4;        // the rows of a run
 
+// `bytes` from `from` on asked for, into L2 (prefetcht2). Always inlined: GCC 12 finds a function that only
+// prefetches free of side effects, and drops every call to it.
+__attribute__((always_inline)) inline void prefetch_bytes(const void* from, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(from) + b, 0, 1);
+}
+
 // The rows a run asks for ahead of it: the same rows of the page kPrefetchPages ahead, count of them (fewer
-// past the sequence's end, none where that page is not the pool's).
+// past the sequence's end, none where that page is not the pool's), one after another in their page.
 template <typename T>
 struct Ahead {
   const T* rows = nullptr;
   int64_t count = 0, row_stride = 0;
 
-  // Its rows, one after another in their page, into L2 (prefetcht2). Always inlined: GCC 12 finds a function
-  // that only prefetches free of side effects, and drops every call to it.
   __attribute__((always_inline)) void prefetch() const {
-    const char* from = reinterpret_cast<const char*>(rows);
-    const int64_t bytes = count * row_stride * static_cast<int64_t>(sizeof(T));
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(from + b, 0, 1);
+    prefetch_bytes(rows, count * row_stride * static_cast<int64_t>(sizeof(T)));
   }
 };
 
@@ -176,16 +178,7 @@ void scores_of(const Task<T>& t, const float* q, float factor, float softcap, fl
 }
 
 // How far ahead of the keys being read decode_bf16 asks for their rows, into L2 (for_each_run says why).
-// Always inlined: GCC finds a function that only prefetches free of side effects, and drops every call to it.
 constexpr int64_t kAheadKeys = 32;
-
-template <typename T>
-__attribute__((always_inline)) inline void prefetch(int64_t dim, const T* row) {
-  if (row == nullptr) return;
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 1);
-  }
-}
 
 // Rows [first, first + n) of a task's KV head h in data, kAheadKeys on, asked for.
 template <typename T>
@@ -193,7 +186,9 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Task<T>& t, cons
                                                           int64_t n) {
   const T* ahead[16];
   t.rows_at(data, first + kAheadKeys, h, n, ahead);
-  for (int64_t i = 0; i < n; ++i) prefetch(t.dim, ahead[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (ahead[i] != nullptr) prefetch_bytes(ahead[i], t.dim * static_cast<int64_t>(sizeof(T)));
+  }
 }
 
 constexpr int64_t kRowsAtOnce = 4;  // query heads decode_bf16's products take at a time
