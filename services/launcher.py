@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,11 +69,30 @@ def http_ready(url: str) -> bool:
         return False
 
 
-def free_port(host: str) -> int:
-    """A port free now on host; pick it just before use, as it may not stay free."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PICKED_PORT = 10000
+_ports = random.Random()  # its own: a caller's random.seed() must not make two processes pick alike
+
+
+def below_ephemeral_ports() -> int:
+    """The first port of the kernel's ephemeral range (0 where it does not say)."""
+    return int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 0
+
+
+def free_port(host: str, first: int = FIRST_PICKED_PORT, end: int | None = None) -> int:
+    """A port free now on host, drawn from [first, end), below the kernel's ephemeral range by default. A port
+    a bind to 0 hands out is one the kernel may give the next outgoing connection of any process, and a
+    worker binds its metrics port only once its model has loaded: CI saw one refused so (EADDRINUSE). Pick
+    it just before use all the same, as it may not stay free."""
+    end = below_ephemeral_ports() if end is None else end
+    while True:
+        port = _ports.randrange(first, end) if end > first + 500 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue  # taken
+            return int(probe.getsockname()[1])
 
 
 RESTART_LIMIT = 5  # restarts of one child within a minute

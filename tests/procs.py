@@ -8,11 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +23,8 @@ from pagedserve.plumbing.auth import SECRET_ENV
 from pagedserve.plumbing.rpc import wait_for_health
 from services.client import tls_credentials
 from services.common.default_model import default_model_dir
+from services.launcher import FIRST_PICKED_PORT, below_ephemeral_ports
+from services.launcher import free_port as launcher_free_port
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,32 +230,21 @@ class Stack:
         return terminate(self.proc, timeout_s, self.log)
 
 
-EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
-FIRST_TEST_PORT = 10000
 STACKS: list[Stack] = []  # every stack the tests started, so that a failed test cannot leak one
 
 
 def free_port() -> int:
-    """A port nothing listens on, from below the kernel's ephemeral range: one it hands out for a bind to 0
-    could go to another process (a worker's metrics port, a client's connection) before the test's process
-    binds it, and CI once saw a frontend refused its port so. Under pytest-xdist each test process draws from
-    its own slice of that range: two drawing from all of it could both probe the same port free before either
-    stack bound it."""
-    low = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 0
-    first, end = FIRST_TEST_PORT, low
+    """A port nothing listens on, from below the kernel's ephemeral range (services.launcher.free_port says
+    why; CI once saw a frontend refused its port so). Under pytest-xdist each test process draws from its own
+    slice of that range: two drawing from all of it could both probe the same port free before either stack
+    bound it."""
+    first, end = FIRST_PICKED_PORT, below_ephemeral_ports()
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if worker and count:
-        width = (low - FIRST_TEST_PORT) // int(count)
+        width = (end - FIRST_PICKED_PORT) // int(count)
         first += int(worker.removeprefix("gw")) * width
         end = first + width
-    while True:
-        port = random.randrange(first, end) if end > first + 500 else 0
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # taken
-            return probe.getsockname()[1]
+    return launcher_free_port("127.0.0.1", first, end)
 
 
 def launch_stack(run_dir: Path, *extra: str, host: str = "127.0.0.1") -> Stack:
