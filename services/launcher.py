@@ -12,6 +12,7 @@ again, unless it died more than RESTART_LIMIT times within a minute.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import random
 import signal
@@ -90,8 +91,10 @@ def free_port(host: str, first: int = FIRST_PICKED_PORT, end: int | None = None)
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))
-            except OSError:
-                continue  # taken
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    continue  # taken
+                raise  # a host this socket cannot bind (the caller's to report), not a port to skip
             return int(probe.getsockname()[1])
 
 

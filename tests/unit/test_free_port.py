@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 import socket
 
+import pytest
+
 from services.launcher import FIRST_PICKED_PORT, below_ephemeral_ports, free_port
 
 
@@ -38,3 +40,8 @@ def test_seeding_the_callers_random_does_not_make_picks_repeat() -> None:
     random.seed(0)
     second = [free_port("127.0.0.1") for _ in range(5)]
     assert first != second
+
+
+def test_a_host_that_cannot_be_bound_raises_rather_than_loops() -> None:
+    with pytest.raises(OSError):
+        free_port("192.0.2.1")  # TEST-NET-1: no interface of this machine holds it
