@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from services.launcher import FIRST_PICKED_PORT, below_ephemeral_ports
 from tests.cores import share
-from tests.procs import EPHEMERAL_PORTS, FIRST_TEST_PORT, free_port, terminate
+from tests.procs import free_port, terminate
 
 DEAF = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('deaf', flush=True); "
@@ -33,7 +34,7 @@ def test_a_process_that_stops_gives_its_exit_status() -> None:
 
 
 def test_a_free_port_is_below_the_ephemeral_range_and_free() -> None:
-    low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    low = below_ephemeral_ports()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))  # as a worker's metrics port is bound: the kernel picks
         kernels = taken.getsockname()[1]
@@ -50,8 +51,8 @@ def test_two_xdist_workers_draw_free_ports_from_disjoint_ranges(monkeypatch: pyt
     for worker in ("gw0", "gw1"):
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
         drawn.append({free_port() for _ in range(100)})
-    low = int(EPHEMERAL_PORTS.read_text().split()[0])
-    assert min(drawn[0]) >= FIRST_TEST_PORT and max(drawn[0]) < min(drawn[1]) and max(drawn[1]) < low
+    low = below_ephemeral_ports()
+    assert min(drawn[0]) >= FIRST_PICKED_PORT and max(drawn[0]) < min(drawn[1]) and max(drawn[1]) < low
 
 
 @pytest.mark.parametrize(
